@@ -1,0 +1,1 @@
+"""Programs for trying ppd: ``python -m application.generate`` (one prompt) and the chat app."""

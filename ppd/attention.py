@@ -1,0 +1,86 @@
+"""Attention masks and position ids for prompt tokens, prefill and tree steps.
+
+Everything here is a pure function of shapes and lengths. Masks are built as booleans (True = may attend)
+and turned into the additive float masks that transformers accepts as a ready 4D ``attention_mask``
+(0 where allowed, the dtype's most negative value elsewhere).
+
+Row layout of a prompt-token block: row ``k * V + j`` is copy ``j`` of prompt token ``k`` (both 0-based).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import AttentionType
+
+
+def prompt_block_mask(num_tokens: int, num_ensemble: int, attention_type: AttentionType | str) -> torch.Tensor:
+    """Which prompt-token rows see which, for the first ``num_tokens`` prompt tokens: bool [n*V, n*V]."""
+    attention_type = AttentionType(attention_type)
+    rows = torch.arange(num_tokens * num_ensemble)
+    token, copy = rows // num_ensemble, rows % num_ensemble
+    if attention_type is AttentionType.ENSEMBLE:
+        return (copy[:, None] == copy[None, :]) & (token[None, :] <= token[:, None])
+    if attention_type is AttentionType.DECODER:
+        return rows[None, :] <= rows[:, None]
+    return token[:, None] == token[None, :]  # encoder: all copies of its own prompt token
+
+
+def to_additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Boolean mask -> float mask for ``attention_mask`` (0 allowed, most negative value masked)."""
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    return torch.where(allowed, zero, torch.finfo(dtype).min)
+
+
+def prefill_layout(
+    lengths: list[int], num_prompt_tokens: int, num_ensemble: int, attention_type: AttentionType | str,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask and positions for ``[x_b, prompt rows, padding]`` in each batch row b.
+
+    Row b holds its ``lengths[b]`` real tokens at slots ``[0, L_b)``, then ``num_prompt_tokens * V``
+    prompt rows at ``[L_b, L_b + nV)`` (prompt token k at position ``L_b + k``), then padding up to
+    ``Q = max(L) + nV``. Real tokens attend causally; prompt rows see every real token of their row and
+    each other as ``attention_type`` says; padding sees only itself (never a fully masked row).
+
+    Returns ``allowed`` bool [B, Q, Q] and ``position_ids`` long [B, Q].
+    """
+    n_rows = num_prompt_tokens * num_ensemble
+    lengths_t = torch.tensor(lengths, device=device)
+    width = int(max(lengths)) + n_rows
+    slot = torch.arange(width, device=device)
+    length = lengths_t[:, None]  # [B, 1]
+    is_real = slot[None, :] < length  # [B, Q]
+    rel = slot[None, :] - length  # prompt row index where 0 <= rel < n_rows
+    is_prompt = (rel >= 0) & (rel < n_rows)
+
+    causal = slot[None, :, None] >= slot[None, None, :]  # [1, Q, Q] query >= key
+    allowed = is_real[:, :, None] & is_real[:, None, :] & causal
+    if n_rows:
+        block = prompt_block_mask(num_prompt_tokens, num_ensemble, attention_type).to(device)
+        r = rel.clamp(0, n_rows - 1)
+        pair = block[r[:, :, None], r[:, None, :]]  # [B, Q, Q]
+        allowed |= is_prompt[:, :, None] & (is_real[:, None, :] | (is_prompt[:, None, :] & pair))
+    is_pad = ~(is_real | is_prompt)
+    allowed |= is_pad[:, :, None] & torch.eye(width, dtype=torch.bool, device=device)[None]
+
+    positions = torch.where(is_real, slot[None, :], torch.zeros_like(slot)[None, :].expand_as(is_real))
+    if n_rows:
+        positions = torch.where(is_prompt, length + rel.clamp(0, n_rows - 1) // num_ensemble, positions)
+    return allowed, positions
+
+
+def step_mask(tree_allowed: torch.Tensor, lengths: torch.Tensor, kv_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """Float mask [B, 1, T, kv_len] for T new rows written at ``[L_b, L_b + T)`` of each row's cache.
+
+    Every new row sees the committed prefix ``[0, L_b)``; among themselves they follow ``tree_allowed``
+    (bool [T, T]); cache slots past ``L_b + T`` (stale entries of earlier steps) are hidden.
+    """
+    num_rows = tree_allowed.shape[0]
+    key = torch.arange(kv_len, device=lengths.device)
+    rel = key[None, :] - lengths[:, None]  # [B, kv]
+    in_prefix = rel < 0
+    in_tree = (rel >= 0) & (rel < num_rows)
+    tree_part = tree_allowed[:, rel.clamp(0, num_rows - 1)].permute(1, 0, 2)  # [B, T, kv]
+    allowed = in_prefix[:, None, :] | (in_tree[:, None, :] & tree_part)
+    return to_additive(allowed[:, None], dtype)

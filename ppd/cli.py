@@ -1,0 +1,92 @@
+"""Command-line vocabulary shared by every program: the model, the adapter, the tree and decoding flags.
+
+Each program (``application``, ``data_gen``, ``train``, ``eval``) builds its parser from these helpers so
+that ``--model`` (alias ``--model_name_or_path``) and ``--adapter`` mean the same thing everywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import DecodeConfig, PromptTokenConfig
+from .decoder import Decoder, eos_ids_of
+from .models import DEFAULT_MODEL, ModelInfo, load_model
+from .prompt_tokens import PromptTokens, packaged_adapter
+from .tree import TreeSet
+
+logger = logging.getLogger(__name__)
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model")
+    group.add_argument("--model", "--model_name_or_path", dest="model", default=DEFAULT_MODEL,
+                       help=f"alias ({DEFAULT_MODEL}), local Hugging Face folder or hub id (default: %(default)s)")
+    group.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on GPU)")
+    group.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
+    quant = group.add_mutually_exclusive_group()
+    quant.add_argument("--load_in_4bit", action="store_true", help="NF4 base model via bitsandbytes (GPU)")
+    quant.add_argument("--load_in_8bit", action="store_true", help="8-bit base model via bitsandbytes (GPU)")
+
+
+def add_adapter_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("prompt tokens")
+    group.add_argument("--adapter", default=None,
+                       help="adapter directory with the prompt tokens (default: the one shipped for the model, "
+                            "else freshly initialised prompt tokens)")
+    group.add_argument("--tree", default=None, help="tree set JSON (default: the packaged default.json)")
+
+
+def add_decode_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("decoding")
+    group.add_argument("--method", choices=["ppd", "baseline"], default="ppd")
+    group.add_argument("--max_new_tokens", type=int, default=512)
+    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (lossless)")
+    group.add_argument("--top_p", type=float, default=1.0)
+    group.add_argument("--posterior_threshold", type=float, default=0.09)
+    group.add_argument("--posterior_alpha", type=float, default=0.3)
+    group.add_argument("--seed", type=int, default=None)
+
+
+def decode_config(args: argparse.Namespace) -> DecodeConfig:
+    return DecodeConfig(
+        method=args.method, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+        posterior_threshold=args.posterior_threshold, posterior_alpha=args.posterior_alpha, seed=args.seed,
+    )
+
+
+@dataclass
+class Loaded:
+    model: object
+    tokenizer: object
+    info: ModelInfo
+    decoder: Decoder
+    adapter: str  # where the prompt tokens came from, for logs and reports
+
+
+def load_prompt_tokens(model, tokenizer, info: ModelInfo, adapter: str | None) -> tuple[PromptTokens, str]:
+    """The prompt tokens for ``model``: the given adapter, the shipped one, or freshly initialised ones."""
+    if adapter:
+        return PromptTokens.from_pretrained(adapter, model), str(Path(adapter))
+    shipped = packaged_adapter(info.model_id)
+    if shipped is not None:
+        return PromptTokens.from_pretrained(shipped, model), f"shipped:{shipped.name}"
+    logger.warning("no adapter given and none shipped for %s: using untrained prompt tokens "
+                   "(output is unchanged, decoding is just slower)", info.model_id)
+    config = PromptTokenConfig(base_model=info.model_id, base_model_revision=info.revision)
+    return PromptTokens.from_text(model, tokenizer, config), "untrained"
+
+
+def load_decoder(args: argparse.Namespace, with_prompt_tokens: bool = True) -> Loaded:
+    model, tokenizer, info = load_model(
+        args.model, device=args.device, dtype=args.dtype,
+        load_in_4bit=getattr(args, "load_in_4bit", False), load_in_8bit=getattr(args, "load_in_8bit", False),
+    )
+    prompt_tokens, source = None, "none"
+    if with_prompt_tokens:
+        prompt_tokens, source = load_prompt_tokens(model, tokenizer, info, getattr(args, "adapter", None))
+    trees = TreeSet.load(args.tree) if getattr(args, "tree", None) else None
+    decoder = Decoder(model, prompt_tokens, trees, eos_token_ids=eos_ids_of(model, tokenizer))
+    return Loaded(model, tokenizer, info, decoder, source)

