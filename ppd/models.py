@@ -201,6 +201,8 @@ def load_model(
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     if not (load_in_4bit or load_in_8bit):
         model.to(device)
+    # Name the model by its identity (hub id), not by the cache folder it happened to be read from.
+    model.config._name_or_path = info.model_id
     model.eval()
     model.requires_grad_(False)
     return model, tokenizer, info

@@ -1,0 +1,70 @@
+"""Shared fixtures: tiny random models built from configs (fast, no network) and the real default model."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from ppd import PromptTokenConfig, PromptTokens, Tree, TreeSet
+
+TINY_VOCAB = 24
+
+
+def tiny_model(arch: str = "llama", vocab: int = TINY_VOCAB, seed: int = 0, max_positions: int = 512):
+    """A 2-layer causal LM with random weights. Small vocabularies make guesses often right."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                  tie_word_embeddings=False)
+    config = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch](**common)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    # Sharper distributions than the default init, so greedy text repeats and guesses get accepted.
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    return model.eval().requires_grad_(False)
+
+
+def random_prompt_tokens(model, n: int = 3, v: int = 1, attention: str = "ensemble", seed: int = 0) -> PromptTokens:
+    hidden = model.get_input_embeddings().weight.shape[1]
+    vocab = model.get_output_embeddings().weight.shape[0]
+    generator = torch.Generator().manual_seed(seed)
+    config = PromptTokenConfig(num_prompt_tokens=n, num_ensemble=v, attention_type=attention,
+                               hidden_size=hidden, vocab_size=vocab, base_model="tiny")
+    return PromptTokens(config, torch.randn(n * v, hidden, generator=generator))
+
+
+def random_tree(rng: random.Random, key: int, n_prompt: int, top_k: int, size: int) -> Tree:
+    """A random prefix-closed tree of about ``size`` candidates with depth <= key."""
+    paths: list[tuple[int, ...]] = []
+    frontier: list[tuple[int, ...]] = [()]
+    while len(paths) < size and frontier:
+        parent = rng.choice(frontier)
+        children = [p for p in paths if p[:-1] == parent and len(p) == len(parent) + 1]
+        if len(parent) >= key or len(children) >= top_k:
+            frontier.remove(parent)
+            continue
+        child = parent + (len(children),)
+        paths.append(child)
+        frontier.append(child)
+    counts = tuple(rng.randint(1, n_prompt) for _ in paths)
+    return Tree(tuple(paths), counts, rng.randint(1, n_prompt))
+
+
+def random_tree_set(seed: int, n_prompt: int = 3, top_k: int = 6, size: int = 12) -> TreeSet:
+    rng = random.Random(seed)
+    trees = {key: random_tree(rng, key, n_prompt, top_k, rng.randint(0, size)) for key in range(1, n_prompt + 1)}
+    return TreeSet(n_prompt, top_k, trees)
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """The embedded default model (SmolLM2-135M-Instruct), float32 on CPU."""
+    from ppd import load_model
+
+    model, tokenizer, info = load_model("smollm2-135m-instruct", device="cpu")
+    return model, tokenizer, info

@@ -1,0 +1,108 @@
+"""PPD greedy output equals autoregressive greedy output, token for token, on tiny random models."""
+
+import random
+
+import pytest
+import torch
+
+from ppd import DecodeConfig, Decoder, PromptTooLongError
+from tests.conftest import random_prompt_tokens, random_tree_set, tiny_model
+
+
+def hf_greedy(model, prompt, max_new_tokens, eos=None):
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_ppd_equals_baseline_and_hf_over_random_prompts_and_trees(arch):
+    model = tiny_model(arch, seed=11)
+    vocab = model.config.vocab_size
+    rng = random.Random(arch)
+    accepted = 0
+    for trial in range(12):
+        V = rng.choice([1, 2])
+        attention = rng.choice(["ensemble", "decoder", "encoder"])
+        decoder = Decoder(model, random_prompt_tokens(model, 3, V, attention, seed=trial),
+                          random_tree_set(seed=100 + trial, size=rng.randint(1, 16)))
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 20))]
+        n = rng.randint(1, 48)
+        ppd = decoder.generate(prompt, DecodeConfig(method="ppd", max_new_tokens=n, stop_on_eos=False))
+        base = decoder.generate(prompt, DecodeConfig(method="baseline", max_new_tokens=n, stop_on_eos=False))
+        assert ppd.token_ids == base.token_ids, (trial, prompt)
+        assert ppd.token_ids == hf_greedy(model, prompt, n), (trial, prompt)
+        assert len(ppd.token_ids) == n and ppd.finish_reason == "length"
+        assert sum(ppd.step_tokens) == n - 1  # the prefill emits the first token
+        accepted += n - 1 - ppd.steps
+    assert accepted > 0, "no guess was ever accepted: the test would not exercise the tree"
+
+
+def test_batched_ppd_equals_single_prompts():
+    model = tiny_model(seed=3)
+    decoder = Decoder(model, random_prompt_tokens(model, 3, 2, seed=3), random_tree_set(seed=7, size=12))
+    rng = random.Random(5)
+    prompts = [[rng.randrange(24) for _ in range(rng.randint(1, 15))] for _ in range(4)]
+    config = DecodeConfig(max_new_tokens=30, stop_on_eos=False)
+    batched = decoder.generate(prompts, config)
+    for prompt, out in zip(prompts, batched):
+        assert out.token_ids == decoder.generate(prompt, config).token_ids
+        assert out.token_ids == hf_greedy(model, prompt, 30)
+
+
+def test_eos_stops_like_autoregressive_decoding():
+    model = tiny_model(seed=4)
+    prompt = [1, 2, 3, 4]
+    reference = hf_greedy(model, prompt, 40)
+    eos = reference[7]  # a token the model emits: decoding must stop right after its first occurrence
+    decoder = Decoder(model, random_prompt_tokens(model, seed=4), random_tree_set(seed=2), eos_token_ids=[eos])
+    for method in ("ppd", "baseline"):
+        out = decoder.generate(prompt, DecodeConfig(method=method, max_new_tokens=40))
+        assert out.token_ids == reference[: reference.index(eos) + 1]
+        assert out.finish_reason == "eos"
+
+
+def test_context_window_limits():
+    model = tiny_model(max_positions=32, seed=6)
+    decoder = Decoder(model, random_prompt_tokens(model, seed=6), random_tree_set(seed=6, size=14))
+    with pytest.raises(PromptTooLongError, match="context window is 32"):
+        decoder.generate(list(range(20)) + list(range(12)), DecodeConfig(max_new_tokens=4))
+    prompt = [5] * 20
+    out = decoder.generate(prompt, DecodeConfig(max_new_tokens=100, stop_on_eos=False))
+    assert len(out.token_ids) == 12 and out.finish_reason == "max_length"
+    assert out.token_ids == hf_greedy(model, prompt, 12)
+
+
+def test_sampling_is_seeded_and_runs_both_methods():
+    model = tiny_model(seed=8)
+    decoder = Decoder(model, random_prompt_tokens(model, seed=8), random_tree_set(seed=8))
+    for method in ("ppd", "baseline"):
+        config = DecodeConfig(method=method, temperature=0.8, top_p=0.9, seed=123, max_new_tokens=25,
+                              stop_on_eos=False)
+        first, second = decoder.generate([1, 2, 3], config), decoder.generate([1, 2, 3], config)
+        assert first.token_ids == second.token_ids and len(first.token_ids) == 25
+
+
+def test_stream_yields_the_same_tokens_as_generate():
+    model = tiny_model(seed=9)
+    decoder = Decoder(model, random_prompt_tokens(model, seed=9), random_tree_set(seed=9, size=12))
+    config = DecodeConfig(max_new_tokens=20, stop_on_eos=False)
+    steps = list(decoder.stream([4, 5, 6], config))
+    streamed = [t for step in steps for t in step.tokens[0]]
+    assert streamed == decoder.generate([4, 5, 6], config).token_ids
+    assert steps[0].step == 0 and steps[-1].finished == [True]
+    assert all(step.guessed[0] < max(len(step.tokens[0]), 1) for step in steps)
+
+
+def test_ppd_without_prompt_tokens_is_a_clear_error():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="needs prompt tokens"):
+        Decoder(model).generate([1, 2], DecodeConfig(method="ppd"))
+    assert len(Decoder(model).generate([1, 2], DecodeConfig(method="baseline", max_new_tokens=5,
+                                                          stop_on_eos=False)).token_ids) == 5
+
+
+def test_tree_set_must_match_the_adapter():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="N=3 prompt tokens, the adapter has N=2"):
+        Decoder(model, random_prompt_tokens(model, n=2), random_tree_set(seed=0))

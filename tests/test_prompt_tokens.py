@@ -1,0 +1,65 @@
+import json
+import logging
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ppd import AdapterMismatchError, PromptTokenConfig, PromptTokens
+from ppd.prompt_tokens import CONFIG_NAME, WEIGHTS_NAME
+from tests.conftest import random_prompt_tokens, tiny_model
+
+
+def test_save_load_round_trip(tmp_path):
+    model = tiny_model()
+    tokens = random_prompt_tokens(model, n=4, v=2, attention="decoder")
+    tokens.save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [CONFIG_NAME, WEIGHTS_NAME]
+    loaded = PromptTokens.from_pretrained(tmp_path, model)
+    assert loaded.config == tokens.config
+    assert torch.equal(loaded.embeddings, tokens.embeddings)
+    raw = (tmp_path / CONFIG_NAME).read_text()
+    assert list(json.loads(raw)) == sorted(json.loads(raw))  # sorted keys
+    assert set(load_file(str(tmp_path / WEIGHTS_NAME))) == {"embeddings"}
+
+
+def test_mismatched_model_is_a_clear_error(tmp_path):
+    random_prompt_tokens(tiny_model()).save_pretrained(tmp_path)
+    other = tiny_model(vocab=40)
+    with pytest.raises(AdapterMismatchError, match="vocabulary size 24 != model's 40"):
+        PromptTokens.from_pretrained(tmp_path, other)
+
+
+def test_unknown_config_keys_are_dropped_with_a_warning(tmp_path, caplog):
+    random_prompt_tokens(tiny_model()).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / CONFIG_NAME).read_text())
+    config["from_the_future"] = 1
+    (tmp_path / CONFIG_NAME).write_text(json.dumps(config))
+    with caplog.at_level(logging.WARNING):
+        PromptTokens.from_pretrained(tmp_path)
+    assert "from_the_future" in caplog.text
+
+
+def test_missing_or_broken_adapter_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a ppd adapter"):
+        PromptTokens.from_pretrained(tmp_path)
+    random_prompt_tokens(tiny_model()).save_pretrained(tmp_path)
+    (tmp_path / CONFIG_NAME).write_text("{")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        PromptTokens.from_pretrained(tmp_path)
+
+
+def test_shape_must_match_config():
+    with pytest.raises(ValueError, match=r"config expects \[6, 8\]"):
+        PromptTokens(PromptTokenConfig(num_prompt_tokens=3, num_ensemble=2, hidden_size=8), torch.zeros(3, 8))
+
+
+def test_init_from_text_uses_word_embeddings(real_model):
+    model, tokenizer, info = real_model
+    tokens = PromptTokens.from_text(model, tokenizer, PromptTokenConfig(num_prompt_tokens=3, num_ensemble=2))
+    ids = tokenizer("Next 2 word", add_special_tokens=False)["input_ids"]
+    table = model.get_input_embeddings().weight
+    for row in range(6):
+        assert torch.equal(tokens.embeddings[row], table[ids[row % len(ids)]].float())
+    assert tokens.config.hidden_size == 576 and tokens.config.vocab_size == 49152
+    assert tokens.config.base_model == info.model_id
