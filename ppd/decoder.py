@@ -267,11 +267,12 @@ class Decoder:
                 result = self._step(buffers, key, root, guesses, cache, attend, active, config, generator)
                 root, guesses, emitted, count, next_key = result
                 step += 1
-                # The one host synchronisation of the step.
-                counts, keys, emitted_host = count.tolist(), next_key.tolist(), emitted.tolist()
+                # The one host synchronisation of the step: counts, next keys and tokens in one transfer.
+                host = torch.cat([count[:, None], next_key[:, None], emitted], dim=1).tolist()
+                counts, keys = [row[0] for row in host], [row[1] for row in host]
                 guessed = []
                 for b in range(len(batch)):
-                    kept = state.add(b, emitted_host[b][: counts[b]], count_step=True)
+                    kept = state.add(b, host[b][2: 2 + counts[b]], count_step=True)
                     guessed.append(max(0, min(len(kept), counts[b] - 1)))
                     host_lengths[b] += counts[b]
                 # With a batch, every row takes the smallest tree any unfinished row can feed.
@@ -307,11 +308,15 @@ class Decoder:
             table = self.prompt_tokens().to(device=device, dtype=embeds.dtype)
             embeds = embeds.scatter(1, slots[..., None].expand(-1, -1, embeds.shape[-1]),
                                     table[None].expand(len(batch), -1, -1))
-        # Logits only where they are needed: each row's last real token and its prompt rows.
-        wanted = torch.cat([length_t[:, None] - 1, slots], dim=1) if n_rows else length_t[:, None] - 1
-        keep, where = torch.unique(wanted, return_inverse=True)
+        # Logits only where they are needed: each row's last real token and its prompt rows (known on
+        # the host, so no device round trip).
+        wanted = [[n - 1 + i for i in range(1 + n_rows)] for n in lengths]
+        keep = sorted({slot for row in wanted for slot in row})
+        index = {slot: i for i, slot in enumerate(keep)}
+        where = torch.tensor([[index[slot] for slot in row] for row in wanted], device=device)
         cache.prepare(torch.arange(width, device=device)[None].expand(len(batch), -1), width)
-        logits = self._forward(embeds, to_additive(allowed[:, None], embeds.dtype), positions, cache, keep)
+        logits = self._forward(embeds, to_additive(allowed[:, None], embeds.dtype), positions, cache,
+                               torch.tensor(keep, device=device))
         rows = logits[torch.arange(len(batch), device=device)[:, None], where]  # [B, 1 + nV, vocab]
         cache.lengths.copy_(length_t)
         root = choose_tokens(rows[:, 0], config, generator)
