@@ -11,11 +11,8 @@ the decoder's own cache and mask path, after two warm-up calls. Writes JSON and 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -23,6 +20,8 @@ from ppd.attention import step_mask
 from ppd.cli import add_model_args
 from ppd.kv_cache import KVCache
 from ppd.models import load_model
+
+from .records import environment, write_json
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -68,15 +67,13 @@ def main(argv: list[str] | None = None) -> int:
                                 load_in_4bit=args.load_in_4bit, load_in_8bit=args.load_in_8bit)
     device = model.get_input_embeddings().weight.device
     results = [{"rows": r, "latency_ms": 1e3 * measure(model, r, args.context, args.repeats)} for r in args.rows]
-    record = {"model": info.model_id, "context": args.context, "dtype": str(model.dtype),
-              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-              "threads": torch.get_num_threads(), "torch": torch.__version__, "results": results}
+    record = {"model": info.model_id, "context": args.context, "dtype": str(model.dtype), **environment(device),
+              "results": results}
     print("| rows | latency (ms) |\n|---|---|")
     for r in results:
         print(f"| {r['rows']} | {r['latency_ms']:.1f} |")
     if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(record, indent=1) + "\n")
+        write_json(args.output, record)
     return 0
 
 

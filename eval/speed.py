@@ -12,17 +12,16 @@ outputs of every method are compared with the baseline's.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from ppd.chat import chat_input_ids
 from ppd.cli import add_adapter_args, add_model_args, load_decoder
 from ppd.config import DecodeConfig
+
+from .records import environment, write_json
 
 DEFAULT_PROMPTS = [
     "Write a short story about a robot who learns to paint.",
@@ -88,12 +87,10 @@ def run(args: argparse.Namespace) -> dict:
             "identical_to_baseline": sum(r["token_ids"] == baseline[r["prompt"]] for r in rows) / len(rows),
             "new_tokens": tokens,
         }
-    device = loaded.decoder.device
     return {
         "model": loaded.info.model_id, "adapter": loaded.adapter, "max_new_tokens": args.max_new_tokens,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "dtype": str(loaded.decoder.dtype), "torch": torch.__version__,
-        "threads": torch.get_num_threads(), "prompts": prompts, "summary": summary, "records": records,
+        "dtype": str(loaded.decoder.dtype), **environment(loaded.decoder.device),
+        "prompts": prompts, "summary": summary, "records": records,
     }
 
 
@@ -112,8 +109,7 @@ def main(argv: list[str] | None = None) -> int:
           f"max_new_tokens={result['max_new_tokens']}")
     print(table(result))
     if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(result, indent=1) + "\n")
+        write_json(args.output, result)
     return 0
 
 

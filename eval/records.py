@@ -1,0 +1,28 @@
+"""What every benchmark record carries: the hardware and software it ran on, and an atomic JSON write."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+
+def environment(device: torch.device) -> dict:
+    """Device name, thread count and library versions of a measurement."""
+    import transformers
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    return {"device": name, "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "transformers": transformers.__version__}
+
+
+def write_json(path: str | os.PathLike, record: dict) -> None:
+    """Write ``record`` to ``path`` (parents created) through a temporary file, so a reader never sees half."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(tmp, path)
