@@ -122,6 +122,7 @@ class _Source:
     model_max_length: int
     seed: int
     cuts_per_conversation: int
+    summary: dict | None = None  # the truncation run's summary, when the items are a truncated dataset
 
 
 def _open_source(args: DataGenArguments, model_id: str) -> _Source:
@@ -139,7 +140,7 @@ def _open_source(args: DataGenArguments, model_id: str) -> _Source:
                              f"--num_prompt_tokens {args.num_prompt_tokens}")
         rows = dataset.select_columns(["id", "input_ids", "labels"]).to_list()
         return _Source(rows, "rows", f"{info.source} (truncated: {path.resolve()})", info.model_max_length,
-                       info.seed, info.cuts_per_conversation)
+                       info.seed, info.cuts_per_conversation, info.summary)
     source = load_conversations(args.data_path)
     if source.note:
         logger.warning(source.note)
@@ -216,7 +217,8 @@ def run(args: DataGenArguments, state=None) -> PPDDatasetInfo | None:
         shutil.rmtree(shards_root, ignore_errors=True)
     state.wait_for_everyone()
 
-    _, model_info = resolve_model(args.model)
+    with state.main_process_first():  # the first use of an embedded model converts it once
+        _, model_info = resolve_model(args.model)
     tokenizer = load_tokenizer(args.model)
     source = _open_source(args, model_info.model_id)
     items = source.items[: args.max_samples] if args.max_samples else source.items
@@ -263,13 +265,15 @@ def run(args: DataGenArguments, state=None) -> PPDDatasetInfo | None:
                 bar.update(len(span))
             summary = _shard_summary(len(span), rows, skipped, time.perf_counter() - started, teacher)
             store.write(index, datasets.Dataset.from_list(rows, features=features) if rows else None, summary)
-            bar.set_postfix(shards=f"{index + 1}/{store.num_shards}", rows=summary["rows"])
+            bar.set_postfix(shard=f"{index}/{store.num_shards}", rows=summary["rows"])
     state.wait_for_everyone()
 
     info = None
     if state.is_main_process:
         dataset, summaries = store.load()
         summary = _merge_summaries(summaries)
+        if source.summary:
+            summary["truncation"] = source.summary
         if summary["rows"] == 0:
             reasons = ", ".join(f"{n} {reason}" for reason, n in summary["skipped"].items()) or "the source is empty"
             raise EmptyDatasetError(f"no examples: {summary['items']} records read, none usable ({reasons})")

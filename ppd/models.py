@@ -8,6 +8,7 @@ and every later load reads that folder.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.metadata
 import importlib.util
 import json
@@ -100,40 +101,48 @@ def embedded_model_folder(entry: EmbeddedModel) -> Path:
     target = cache_dir() / "models" / f"{entry.alias}-{entry.package_version}"
     if (target / "config.json").exists():
         return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     source = _package_folder(entry.module)
     if not (source / entry.gguf_file).exists():
         raise FileNotFoundError(f"{entry.gguf_file} is missing from the {entry.package} package at {source}")
-    logger.info("converting %s from GGUF into %s (once)", entry.alias, target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    # Write beside the target and rename: a concurrent or interrupted conversion never leaves half a folder.
-    staging = Path(tempfile.mkdtemp(prefix=f".{entry.alias}-", dir=target.parent))
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=entry.gguf_file)
-        dequantised = AutoModelForCausalLM.from_pretrained(source, gguf_file=entry.gguf_file, dtype=torch.float32)
-        # The weights are plain float tensors now, but the model still counts as "gguf-quantised" and
-        # refuses save_pretrained: rebuild it from its config without that marker.
-        config = dequantised.config
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        config._name_or_path = entry.model_id
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.load_state_dict(dequantised.state_dict())
-        model.generation_config = dequantised.generation_config
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        (staging / "ppd_source.json").write_text(
-            json.dumps({"model_id": entry.model_id, "revision": entry.revision}, indent=2, sort_keys=True)
-        )
+    # One converter at a time (several processes of one launch start together); the others wait and reuse it.
+    with open(target.parent / f".{entry.alias}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "config.json").exists():
+            return target
+        if target.exists():  # left by a crash of an older version: not a usable folder
+            logger.warning("removing incomplete converted model folder %s", target)
+            shutil.rmtree(target)
+        logger.info("converting %s from GGUF into %s (once)", entry.alias, target)
+        # Write beside the target and rename: an interrupted conversion never leaves half a folder.
+        staging = Path(tempfile.mkdtemp(prefix=f".{entry.alias}-", dir=target.parent))
         try:
+            _convert_gguf(entry, source, staging)
             staging.rename(target)
-        except OSError:
-            if not (target / "config.json").exists():  # not a lost race: a real failure
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _convert_gguf(entry: EmbeddedModel, source: Path, folder: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=entry.gguf_file)
+    dequantised = AutoModelForCausalLM.from_pretrained(source, gguf_file=entry.gguf_file, dtype=torch.float32)
+    # The weights are plain float tensors now, but the model still counts as "gguf-quantised" and
+    # refuses save_pretrained: rebuild it from its config without that marker.
+    config = dequantised.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config._name_or_path = entry.model_id
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(dequantised.state_dict())
+    model.generation_config = dequantised.generation_config
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / "ppd_source.json").write_text(
+        json.dumps({"model_id": entry.model_id, "revision": entry.revision}, indent=2, sort_keys=True)
+    )
 
 
 def resolve_model(name_or_path: str) -> tuple[str, ModelInfo]:
