@@ -44,6 +44,8 @@ class PromptTokenConfig:
     base_model: str = field(default="", metadata={"help": "Identifier of the base model the tokens were trained on."})
     base_model_revision: str = field(default="", metadata={"help": "Revision of that base model."})
     init_text: str = field(default="Next 2 word", metadata={"help": "Text whose embeddings initialised the tokens."})
+    base_adapter: str = field(default="", metadata={
+        "help": "PEFT LoRA adapter merged onto the base model before training (empty: none)."})
     format_version: int = field(default=ADAPTER_FORMAT_VERSION, metadata={"help": "On-disk format version."})
 
     def __post_init__(self) -> None:
@@ -70,6 +72,7 @@ class PromptTokenConfig:
             "base_model": self.base_model,
             "base_model_revision": self.base_model_revision,
             "init_text": self.init_text,
+            "base_adapter": self.base_adapter,
             "format_version": self.format_version,
         }
 

@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 import torch
 
 from .acceptance import accept_candidates, choose_tokens, longest_accepted_path
-from .attention import prefill_layout, step_mask, to_additive
+from .attention import step_mask
 from .config import DecodeConfig, DecodeMethod
 from .kv_cache import KVCache
+from .prefill import average_copies, build_prefill
 from .prompt_tokens import PromptTokens
 from .tree import Tree, TreeBuffers, TreeSet
 
@@ -291,43 +292,22 @@ class Decoder:
 
     def _prefill(self, batch, cache: KVCache, n_prompt: int, config: DecodeConfig, generator):
         """Run ``[x_b, prompt tokens]``; return the root token [B] and the guesses [B, N, K] (or None)."""
-        device = self.device
         V = self.prompt_tokens.num_ensemble if n_prompt else 1
         attention = self.prompt_tokens.config.attention_type if n_prompt else "ensemble"
-        lengths = [len(x) for x in batch]
-        allowed, positions = prefill_layout(lengths, n_prompt, V, attention, device)
-        width = allowed.shape[1]
-        ids = torch.zeros(len(batch), width, dtype=torch.long, device=device)
-        for b, x in enumerate(batch):
-            ids[b, : len(x)] = torch.tensor(x, device=device)
-        embeds = self.model.get_input_embeddings()(ids)
-        length_t = torch.tensor(lengths, device=device)
-        n_rows = n_prompt * V
-        if n_rows:
-            slots = length_t[:, None] + torch.arange(n_rows, device=device)[None, :]  # [B, nV]
-            table = self.prompt_tokens().to(device=device, dtype=embeds.dtype)
-            embeds = embeds.scatter(1, slots[..., None].expand(-1, -1, embeds.shape[-1]),
-                                    table[None].expand(len(batch), -1, -1))
-        # Logits only where they are needed: each row's last real token and its prompt rows (known on
-        # the host, so no device round trip).
-        wanted = [[n - 1 + i for i in range(1 + n_rows)] for n in lengths]
-        keep = sorted({slot for row in wanted for slot in row})
-        index = {slot: i for i, slot in enumerate(keep)}
-        where = torch.tensor([[index[slot] for slot in row] for row in wanted], device=device)
-        cache.prepare(torch.arange(width, device=device)[None].expand(len(batch), -1), width)
-        logits = self._forward(embeds, to_additive(allowed[:, None], embeds.dtype), positions, cache,
-                               torch.tensor(keep, device=device))
-        rows = logits[torch.arange(len(batch), device=device)[:, None], where]  # [B, 1 + nV, vocab]
-        cache.lengths.copy_(length_t)
+        table = self.prompt_tokens().detach() if n_prompt else None
+        inputs = build_prefill(self.model, batch, table, n_prompt, V, attention)
+        width = inputs.width
+        cache.prepare(torch.arange(width, device=self.device)[None].expand(len(batch), -1), width)
+        logits = self._forward(inputs.embeds, inputs.mask, inputs.positions, cache, inputs.keep)
+        rows = inputs.rows(logits)  # [B, 1 + nV, vocab]
+        cache.lengths.copy_(inputs.lengths)
         root = choose_tokens(rows[:, 0], config, generator)
-        guesses = self._guesses(rows[:, 1:], n_prompt, V, config) if n_rows else None
+        guesses = self._guesses(rows[:, 1:], n_prompt, V) if n_prompt else None
         return root, guesses
 
-    def _guesses(self, prompt_logits: torch.Tensor, n_prompt: int, V: int, config: DecodeConfig) -> torch.Tensor:
+    def _guesses(self, prompt_logits: torch.Tensor, n_prompt: int, V: int) -> torch.Tensor:
         """Top-K guesses [B, N, K] from the prompt rows' logits [B, N * V, vocab], copies averaged."""
-        b, _, vocab = prompt_logits.shape
-        averaged = prompt_logits.reshape(b, n_prompt, V, vocab).float().mean(2)
-        return averaged.topk(self.trees.top_k, dim=-1).indices
+        return average_copies(prompt_logits, n_prompt, V).topk(self.trees.top_k, dim=-1).indices
 
     def _step(self, buffers: TreeBuffers, key: int, root, guesses, cache: KVCache, attend: int,
               active: torch.Tensor, config: DecodeConfig, generator):
@@ -389,7 +369,7 @@ class Decoder:
         if buffers.num_rows > buffers.num_nodes:
             pt = self.prompt_tokens
             prompt_rows = buffers.node_prompt_rows[last]  # [B, N * V]
-            guesses = self._guesses(logits[rows[:, None], prompt_rows], pt.num_prompt_tokens, pt.num_ensemble, config)
+            guesses = self._guesses(logits[rows[:, None], prompt_rows], pt.num_prompt_tokens, pt.num_ensemble)
         return new_root, guesses, emitted, count, next_key
 
 

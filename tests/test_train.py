@@ -1,0 +1,167 @@
+"""`train.train` on the real default model (CPU, a few steps on short real ShareGPT examples)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import train.train as train
+from data_gen import generate
+from ppd import Decoder, DecodeConfig, PromptTokens, eos_ids_of
+from ppd.chat import chat_input_ids
+from ppd.training import PromptTokenModel
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def datasets_dir(tmp_path_factory):
+    """A truncated and a distillation dataset of short real ShareGPT examples."""
+    root = tmp_path_factory.mktemp("train-data")
+    common = ["--max_samples", "240", "--model_max_length", "96", "--shard_size", "240"]
+    assert generate.main(["--dataset_type", "finetune", "--output_path", str(root / "ft"), *common]) == 0
+    assert generate.main(["--dataset_type", "distillation", "--data_path", str(root / "ft"), "--top_k", "20",
+                          "--output_path", str(root / "distill"), "--shard_size", "240"]) == 0
+    return root
+
+
+def run_train(datasets_dir, output, *extra, dataset="distill"):
+    argv = ["--dataset_path", str(datasets_dir / dataset), "--output_dir", str(output),
+            "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "8", "--learning_rate", "1e-2",
+            "--lr_scheduler_type", "cosine", "--logging_steps", "1", "--eval_size", "24", "--seed", "0",
+            "--dataloader_pin_memory", "false", *extra]
+    assert train.main(argv) == 0
+    return json.loads((Path(output) / "training_log.json").read_text())
+
+
+def test_a_few_steps_lower_the_held_out_loss(datasets_dir, tmp_path):
+    log = run_train(datasets_dir, tmp_path / "run", "--max_steps", "8")
+    assert log["final_eval"]["eval_loss"] < log["initial_eval"]["initial_loss"] - 0.3
+    assert len(log["rank_accuracy"]) == 3 and len(log["rank_accuracy"][0]) == 10
+    assert {"eval_top1_token1", "eval_top5_token3"} <= set(log["final_eval"])
+    assert log["dataset"]["eval_examples"] == 24 and log["prompt_tokens"]["base_model"].startswith("HuggingFaceTB")
+
+
+def test_only_prompt_tokens_get_gradients(real_model):
+    model, tokenizer, info = real_model
+    from ppd import PromptTokenConfig
+
+    tokens = PromptTokens.from_text(model, tokenizer, PromptTokenConfig(base_model=info.model_id))
+    wrapped = PromptTokenModel(model, tokens, "cross_entropy")
+    assert [name for name, _ in wrapped.named_parameters()] == ["prompt_tokens.embeddings"]
+    assert list(wrapped.state_dict()) == ["prompt_tokens.embeddings"]
+    ids = torch.tensor([[5, 6, 7, 8, 9], [11, 12, 13, 0, 0]])
+    out = wrapped(ids, torch.tensor([5, 3]), labels=torch.tensor([[1, 2, 3, 4], [4, 3, 2, 1]]))
+    out["loss"].backward()
+    assert tokens.embeddings.grad is not None and tokens.embeddings.grad.abs().sum() > 0
+    assert all(not p.requires_grad and p.grad is None for p in model.parameters())
+
+
+def test_resume_from_a_checkpoint_equals_an_uninterrupted_run(datasets_dir, tmp_path):
+    run_train(datasets_dir, tmp_path / "full", "--max_steps", "6", "--save_steps", "3", "--eval_size", "0")
+    interrupted = tmp_path / "resumed"
+    interrupted.mkdir()
+    # As if the run had stopped right after its first checkpoint.
+    shutil.copytree(tmp_path / "full" / "checkpoint-3", interrupted / "checkpoint-3")
+    run_train(datasets_dir, interrupted, "--max_steps", "6", "--save_steps", "3", "--eval_size", "0",
+              "--resume_from_checkpoint", "latest")
+    full = load_file(str(tmp_path / "full" / "prompt_tokens.safetensors"))["embeddings"]
+    resumed = load_file(str(interrupted / "prompt_tokens.safetensors"))["embeddings"]
+    third = load_file(str(tmp_path / "full" / "checkpoint-3" / "prompt_tokens.safetensors"))["embeddings"]
+    assert not torch.equal(full, third)  # training moved on after the checkpoint
+    torch.testing.assert_close(resumed, full, atol=1e-6, rtol=0)
+
+
+def test_trained_adapter_decodes_losslessly(datasets_dir, tmp_path, real_model):
+    model, tokenizer, _ = real_model
+    run_train(datasets_dir, tmp_path / "run", "--max_steps", "4", "--eval_size", "0")
+    tokens = PromptTokens.from_pretrained(tmp_path / "run", model)
+    checkpoint_tokens = PromptTokens.from_pretrained(tmp_path / "run" / "checkpoint-4", model)
+    assert torch.equal(tokens.embeddings, checkpoint_tokens.embeddings)
+    decoder = Decoder(model, tokens, eos_token_ids=eos_ids_of(model, tokenizer))
+    ids = chat_input_ids(tokenizer, [{"role": "user", "content": "List three uses of copper."}])
+    ppd = decoder.generate(ids, DecodeConfig(max_new_tokens=48))
+    baseline = decoder.generate(ids, DecodeConfig(max_new_tokens=48, method="baseline"))
+    assert ppd.token_ids == baseline.token_ids and ppd.new_tokens == 48
+
+
+def test_reference_flags_parse(datasets_dir, tmp_path):
+    reference = ["--model_name_or_path", "smollm2-135m-instruct", "--dataset_path", str(datasets_dir / "distill"),
+                 "--output_dir", str(tmp_path), "--num_train_epochs", "1", "--save_steps", "500",
+                 "--model_max_length", "2048", "--num_special_tokens", "3", "--virtual_tokens_per_special_token", "1",
+                 "--per_device_train_batch_size", "1", "--per_device_eval_batch_size", "1",
+                 "--gradient_accumulation_steps", "4", "--evaluation_strategy", "no", "--learning_rate", "1e-2",
+                 "--weight_decay", "0.0", "--warmup_ratio", "0.0", "--lr_scheduler_type", "cosine",
+                 "--logging_steps", "10", "--load_in_4bit", "--vt_attention_type", "ensemble",
+                 "--trainer_type", "distillation_trainer"]
+    argv = train.translate_reference_flags(reference)
+    model_args, data_args, pt_args, training_args = train.make_parser().parse_args_into_dataclasses(args=argv)
+    assert model_args.load_in_4bit and pt_args.objective.value == "distillation"
+    assert (pt_args.num_prompt_tokens, pt_args.num_ensemble, data_args.model_max_length) == (3, 1, 2048)
+    assert training_args.eval_strategy == "no" and training_args.gradient_accumulation_steps == 4
+
+
+def test_bad_pairings_are_clear_errors(datasets_dir, tmp_path, capsys):
+    base = ["--output_dir", str(tmp_path / "x"), "--max_steps", "1"]
+    assert train.main(["--dataset_path", str(datasets_dir / "ft"), *base]) == 1
+    assert "without teacher targets" in capsys.readouterr().err
+    assert train.main(["--dataset_path", str(tmp_path / "data.pt"), *base]) == 1
+    assert "torch pickles" in capsys.readouterr().err
+    assert train.main(["--dataset_path", str(datasets_dir / "distill"), "--num_prompt_tokens", "4", *base]) == 1
+    assert "targets for 3 prompt tokens" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train.main(["--dataset_path", str(datasets_dir / "distill"), "--trainer_type", "magic", *base])
+
+
+def test_cross_entropy_on_a_truncated_dataset_and_fewer_prompt_tokens(datasets_dir, tmp_path):
+    log = run_train(datasets_dir, tmp_path / "ce", "--max_steps", "2", "--trainer_type", "cross_entropy",
+                    "--num_prompt_tokens", "2", "--num_ensemble", "2", "--vt_attention_type", "decoder",
+                    dataset="ft")
+    assert log["objective"] == "cross_entropy" and log["prompt_tokens"]["num_ensemble"] == 2
+    assert len(log["rank_accuracy"]) == 2
+
+
+def test_base_adapter_is_merged_before_training(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    from tests.conftest import tiny_model
+
+    folder, lora = tmp_path / "base", tmp_path / "lora"
+    base = tiny_model()
+    base.save_pretrained(folder)
+    from ppd import load_tokenizer
+
+    load_tokenizer("smollm2-135m-instruct").save_pretrained(folder)
+    peft_model = get_peft_model(tiny_model(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_()
+    peft_model.save_pretrained(lora)
+    expected = peft_model.merge_and_unload().state_dict()
+    model_args = train.ModelArguments(model_name_or_path=str(folder), base_adapter=str(lora))
+    merged, _, _ = train.load_base(model_args, torch.device("cpu"), gradient_checkpointing=False)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    torch.testing.assert_close(merged.state_dict()[q], expected[q])
+    assert not torch.allclose(merged.state_dict()[q], base.state_dict()[q])
+    assert all(not p.requires_grad for p in merged.parameters())
+
+
+def test_two_processes_with_accelerate(datasets_dir, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "train.train",
+           "--dataset_path", str(datasets_dir / "distill"), "--output_dir", str(tmp_path / "ddp"),
+           "--per_device_train_batch_size", "2", "--max_steps", "3", "--eval_size", "16", "--learning_rate", "1e-2",
+           "--dataloader_pin_memory", "false"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = json.loads((tmp_path / "ddp" / "training_log.json").read_text())
+    assert log["world_size"] == 2 and log["train_metrics"]["train_samples_per_second"] > 0
+    assert log["final_eval"]["eval_loss"] > 0 and (tmp_path / "ddp" / "prompt_tokens.safetensors").exists()

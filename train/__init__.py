@@ -1,0 +1,1 @@
+"""Training prompt tokens (run with ``accelerate launch -m train.train`` or ``python -m train.train``)."""
