@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
     if args.json:
         record = {"text": text, "token_ids": out.token_ids, "prompt_tokens": len(ids), "method": args.method,
-                  "model": loaded.info.model_id, "adapter": loaded.adapter, **out.stats()}
+                  "model": loaded.info.model_id, "adapter": loaded.adapter, "tree": loaded.tree,
+                  **out.stats()}
         print(json.dumps(record))
     else:
         print(text)

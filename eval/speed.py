@@ -88,7 +88,8 @@ def run(args: argparse.Namespace) -> dict:
             "new_tokens": tokens,
         }
     return {
-        "model": loaded.info.model_id, "adapter": loaded.adapter, "max_new_tokens": args.max_new_tokens,
+        "model": loaded.info.model_id, "adapter": loaded.adapter, "tree": loaded.tree,
+        "max_new_tokens": args.max_new_tokens,
         "dtype": str(loaded.decoder.dtype), **environment(loaded.decoder.device),
         "prompts": prompts, "summary": summary, "records": records,
     }

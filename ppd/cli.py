@@ -36,7 +36,8 @@ def add_adapter_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--adapter", default=None,
                        help="adapter directory with the prompt tokens (default: the one shipped for the model, "
                             "else freshly initialised prompt tokens)")
-    group.add_argument("--tree", default=None, help="tree set JSON (default: the packaged default.json)")
+    group.add_argument("--tree", default=None, help="tree set JSON (default: the adapter's tree for this device "
+                                                      "type if it ships one, else the packaged default.json)")
 
 
 def add_decode_args(parser: argparse.ArgumentParser) -> None:
@@ -64,19 +65,22 @@ class Loaded:
     info: ModelInfo
     decoder: Decoder
     adapter: str  # where the prompt tokens came from, for logs and reports
+    tree: str = "none"  # where the tree set came from
 
 
-def load_prompt_tokens(model, tokenizer, info: ModelInfo, adapter: str | None) -> tuple[PromptTokens, str]:
-    """The prompt tokens for ``model``: the given adapter, the shipped one, or freshly initialised ones."""
+def load_prompt_tokens(model, tokenizer, info: ModelInfo, adapter: str | None
+                       ) -> tuple[PromptTokens, str, Path | None]:
+    """The prompt tokens for ``model`` (the given adapter, the shipped one, or freshly initialised ones),
+    a description of their source, and their directory (``None`` when freshly initialised)."""
     if adapter:
-        return PromptTokens.from_pretrained(adapter, model), str(Path(adapter))
+        return PromptTokens.from_pretrained(adapter, model), str(Path(adapter)), Path(adapter)
     shipped = packaged_adapter(info.model_id)
     if shipped is not None:
-        return PromptTokens.from_pretrained(shipped, model), f"shipped:{shipped.name}"
+        return PromptTokens.from_pretrained(shipped, model), f"shipped:{shipped.name}", shipped
     logger.warning("no adapter given and none shipped for %s: using untrained prompt tokens "
                    "(output is unchanged, decoding is just slower)", info.model_id)
     config = PromptTokenConfig(base_model=info.model_id, base_model_revision=info.revision)
-    return PromptTokens.from_text(model, tokenizer, config), "untrained"
+    return PromptTokens.from_text(model, tokenizer, config), "untrained", None
 
 
 def load_decoder(args: argparse.Namespace, with_prompt_tokens: bool = True) -> Loaded:
@@ -84,9 +88,15 @@ def load_decoder(args: argparse.Namespace, with_prompt_tokens: bool = True) -> L
         args.model, device=args.device, dtype=args.dtype,
         load_in_4bit=getattr(args, "load_in_4bit", False), load_in_8bit=getattr(args, "load_in_8bit", False),
     )
-    prompt_tokens, source = None, "none"
+    prompt_tokens, source, adapter_dir, trees, tree_source = None, "none", None, None, "none"
     if with_prompt_tokens:
-        prompt_tokens, source = load_prompt_tokens(model, tokenizer, info, getattr(args, "adapter", None))
-    trees = TreeSet.load(args.tree) if getattr(args, "tree", None) else None
+        prompt_tokens, source, adapter_dir = load_prompt_tokens(model, tokenizer, info, getattr(args, "adapter", None))
+        device_type = model.get_input_embeddings().weight.device.type
+        if getattr(args, "tree", None):
+            trees, tree_source = TreeSet.load(args.tree), str(args.tree)
+        elif adapter_dir is not None and (trees := TreeSet.for_adapter(adapter_dir, device_type)) is not None:
+            tree_source = f"{source}:tree_{device_type}.json"
+        else:
+            tree_source = "packaged:default.json"
     decoder = Decoder(model, prompt_tokens, trees, eos_token_ids=eos_ids_of(model, tokenizer))
-    return Loaded(model, tokenizer, info, decoder, source)
+    return Loaded(model, tokenizer, info, decoder, source, tree_source)

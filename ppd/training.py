@@ -45,9 +45,10 @@ class PromptTokenModel(nn.Module):
         self.objective = Objective(objective)
         self.decay = decay
 
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
-        """Called by ``Trainer`` for ``--gradient_checkpointing``: recompute the base model's activations."""
-        self.base_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
+    def gradient_checkpointing_enable(self, **kwargs) -> None:
+        """Called by ``Trainer`` for ``--gradient_checkpointing``: recompute the base model's activations
+        (``kwargs`` pass through: their names differ between transformers versions)."""
+        self.base_model.gradient_checkpointing_enable(**kwargs)
         # transformers recomputes activations only in training mode: switch to it with dropout switched off,
         # so the frozen base still computes exactly what it computes at inference.
         self.base_model.train()

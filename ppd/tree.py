@@ -141,6 +141,16 @@ class TreeSet:
             raise ValueError(f"{path} is not a ppd tree file: missing or malformed {err}") from err
 
     @classmethod
+    def for_adapter(cls, adapter_dir: str | Path, device_type: str) -> "TreeSet | None":
+        """The tree set an adapter ships for this kind of device (``tree_<device_type>.json``), if any.
+
+        Trees depend on the prompt tokens' accuracies and on how the device's forward cost grows with
+        rows, so an adapter may carry one per device type (``cpu``, ``cuda``).
+        """
+        path = Path(adapter_dir) / f"tree_{device_type}.json"
+        return cls.load(path) if path.is_file() else None
+
+    @classmethod
     def packaged(cls, name: str = DEFAULT_TREE_FILE) -> "TreeSet":
         """A tree set shipped inside the package (``ppd/trees/NAME``)."""
         return cls.from_json(json.loads(resources.files("ppd").joinpath("trees", name).read_text()))

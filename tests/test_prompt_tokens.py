@@ -63,3 +63,22 @@ def test_init_from_text_uses_word_embeddings(real_model):
         assert torch.equal(tokens.embeddings[row], table[ids[row % len(ids)]].float())
     assert tokens.config.hidden_size == 576 and tokens.config.vocab_size == 49152
     assert tokens.config.base_model == info.model_id
+
+
+def test_shipped_adapter_and_its_device_trees_are_used_by_default():
+    import argparse
+
+    from ppd.cli import load_decoder
+    from ppd.prompt_tokens import packaged_adapter
+    from ppd.tree import TreeSet
+
+    shipped = packaged_adapter("HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert shipped is not None and (shipped / "README.md").is_file()
+    for device_type in ("cpu", "cuda"):
+        trees = TreeSet.for_adapter(shipped, device_type)
+        assert trees is not None and trees.num_prompt_tokens == 3
+    assert TreeSet.for_adapter(shipped, "mps") is None
+    args = argparse.Namespace(model="smollm2-135m-instruct", device="cpu", dtype=None, adapter=None, tree=None)
+    loaded = load_decoder(args)
+    assert loaded.adapter == "shipped:smollm2-135m-instruct" and loaded.tree.endswith("tree_cpu.json")
+    assert loaded.decoder.trees == TreeSet.for_adapter(shipped, "cpu")

@@ -17,7 +17,7 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def decoder(real_model):
     model, tokenizer, info = real_model
-    prompt_tokens, _ = load_prompt_tokens(model, tokenizer, info, adapter=None)
+    prompt_tokens, _, _ = load_prompt_tokens(model, tokenizer, info, adapter=None)
     return Decoder(model, prompt_tokens, eos_token_ids=eos_ids_of(model, tokenizer))
 
 

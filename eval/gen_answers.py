@@ -1,0 +1,178 @@
+"""Answer a benchmark with one decoding method and record every answer's tokens and timing (JSONL).
+
+Usage:
+    python -m eval.gen_answers --bench mt_bench --method ppd --model smollm2-135m-instruct \\
+        [--adapter DIR] [--tree FILE] [--temperature 0] [--max_new_tokens N] [--limit K] [--num_runs R] \\
+        --output results/answers/mt_bench-ppd.jsonl
+
+Methods: ``ppd`` (prompt tokens + tree), ``baseline`` (the same engine, one token per step), ``hf``
+(transformers ``generate``) and ``pld`` (transformers prompt lookup, ``prompt_lookup_num_tokens``).
+MT-Bench runs both turns, the second after the model's own first answer. ``--warmup`` untimed
+generations of the first prompt come first. One JSON line per question, turn and run, appended as it
+is made: a run started again with the same ``--output`` skips what is already there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ppd.chat import chat_input_ids, plain_input_ids
+from ppd.cli import add_adapter_args, add_model_args, load_decoder
+from ppd.config import DecodeConfig
+from ppd.decoder import eos_ids_of
+
+from .benchmarks import BENCHMARKS, DEFAULT_MAX_NEW_TOKENS, RAW_PROMPT, load_benchmark
+
+METHODS = ("ppd", "baseline", "hf", "pld")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m eval.gen_answers", description=__doc__.split("\n")[0])
+    parser.add_argument("--bench", required=True, choices=BENCHMARKS)
+    parser.add_argument("--method", required=True, choices=METHODS)
+    add_model_args(parser)
+    add_adapter_args(parser)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--max_new_tokens", type=int, default=None, help="default: 1024 (512 for humaneval)")
+    parser.add_argument("--limit", type=int, default=None, help="the first K questions only")
+    parser.add_argument("--num_runs", type=int, default=1, help="timed runs of every question and turn")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed generations before timing")
+    parser.add_argument("--prompt_lookup_num_tokens", type=int, default=10, help="pld: tokens drafted per lookup")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", required=True, help="JSONL file (appended; existing lines are kept)")
+    return parser
+
+
+class ForwardCounter:
+    """Counts the model's forward passes (for ``hf`` and ``pld``, whose steps transformers does not report)."""
+
+    def __init__(self, model):
+        self.count = 0
+        self._handle = model.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args):
+        self.count += 1
+
+
+class Answerer:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        loaded = load_decoder(args, with_prompt_tokens=args.method == "ppd")
+        self.model, self.tokenizer, self.decoder = loaded.model, loaded.tokenizer, loaded.decoder
+        self.adapter, self.tree = loaded.adapter, loaded.tree
+        self.device = self.model.get_input_embeddings().weight.device
+        self.eos = sorted(eos_ids_of(self.model, self.tokenizer))
+        self.counter = ForwardCounter(self.model) if args.method in ("hf", "pld") else None
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def answer(self, ids: list[int], max_new_tokens: int) -> dict:
+        args = self.args
+        if args.method in ("ppd", "baseline"):
+            config = DecodeConfig(method=args.method, max_new_tokens=max_new_tokens, temperature=args.temperature,
+                                  seed=args.seed)
+            out = self.decoder.generate(ids, config)
+            return {"token_ids": out.token_ids, "steps": out.steps, "wall_time_s": out.wall_time_s,
+                    "finish_reason": out.finish_reason}
+        inputs = torch.tensor([ids], device=self.device)
+        kwargs = {"max_new_tokens": max_new_tokens, "eos_token_id": self.eos or None,
+                  "pad_token_id": self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0}
+        if args.temperature > 0:
+            torch.manual_seed(args.seed)
+            kwargs.update(do_sample=True, temperature=args.temperature)
+        else:
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        if args.method == "pld":
+            kwargs["prompt_lookup_num_tokens"] = args.prompt_lookup_num_tokens
+        self._sync()
+        self.counter.count = 0
+        start = time.perf_counter()
+        out = self.model.generate(inputs, attention_mask=torch.ones_like(inputs), **kwargs)
+        self._sync()
+        wall = time.perf_counter() - start
+        tokens = out[0, len(ids):].tolist()
+        finish = "eos" if tokens and tokens[-1] in self.eos else "length"
+        # The first forward is the prefill; every later one is a decoding step.
+        return {"token_ids": tokens, "steps": max(1, self.counter.count - 1), "wall_time_s": wall,
+                "finish_reason": finish}
+
+    def prompt_ids(self, bench: str, messages: list[dict]) -> list[int]:
+        if bench in RAW_PROMPT:
+            return plain_input_ids(self.tokenizer, messages[-1]["content"])
+        return chat_input_ids(self.tokenizer, messages)
+
+
+def _done(path: Path) -> dict[tuple[str, int, int], dict]:
+    """Records already written (a resumed run skips them; MT-Bench's second turn reuses the first answer)."""
+    done = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                record = json.loads(line)
+                done[(record["question_id"], record["turn"], record.get("run", 0))] = record
+    return done
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if args.num_runs < 1 or args.warmup < 0 or (args.limit is not None and args.limit < 1):
+        parser.error("--num_runs and --limit must be >= 1, --warmup >= 0")
+    max_new_tokens = args.max_new_tokens or DEFAULT_MAX_NEW_TOKENS[args.bench]
+    questions = load_benchmark(args.bench)[: args.limit]
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    done = _done(output)
+    answerer = Answerer(args)
+
+    first = answerer.prompt_ids(args.bench, [{"role": "user", "content": questions[0].turns[0]}])
+    for _ in range(args.warmup):
+        answerer.answer(first, min(max_new_tokens, 64))
+
+    total_turns = sum(len(q.turns) for q in questions) * args.num_runs
+    new_tokens = steps = 0
+    wall = 0.0
+    with output.open("a", encoding="utf-8") as sink, tqdm(total=total_turns, unit="turn", desc=args.method) as bar:
+        for question in questions:
+            for run in range(args.num_runs):
+                messages: list[dict] = []
+                for turn, text in enumerate(question.turns):
+                    messages.append({"role": "user", "content": text})
+                    key = (question.question_id, turn, run)
+                    if key in done:
+                        record = done[key]
+                    else:
+                        ids = answerer.prompt_ids(args.bench, messages)
+                        result = answerer.answer(ids, max_new_tokens)
+                        record = {
+                            "bench": args.bench, "question_id": question.question_id, "turn": turn, "run": run,
+                            "method": args.method, "model": args.model, "adapter": answerer.adapter,
+                            "tree": answerer.tree, "temperature": args.temperature, "max_new_tokens": max_new_tokens,
+                            "prompt_tokens": len(ids), "new_tokens": len(result["token_ids"]),
+                            **result,
+                            "text": answerer.tokenizer.decode(result["token_ids"], skip_special_tokens=True),
+                        }
+                        sink.write(json.dumps(record) + "\n")
+                        sink.flush()
+                        new_tokens += record["new_tokens"]
+                        steps += record["steps"]
+                        wall += record["wall_time_s"]
+                    messages.append({"role": "assistant", "content": record["text"]})
+                    bar.update(1)
+    if steps:
+        print(f"{args.bench} / {args.method}: {new_tokens} new tokens in {wall:.1f} s = {new_tokens / wall:.1f} "
+              f"tokens/s, accept length {new_tokens / steps:.2f} (this run's answers)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
