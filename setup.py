@@ -29,6 +29,7 @@ setup(
     extras_require={
         "train": ["peft>=0.13", "accelerate>=1.0", "bitsandbytes>=0.45", "datasets>=3.0"],
         "app": ["gradio>=5.0"],
+        "eval": ["matplotlib>=3.7"],
         "test": ["pytest>=8"],
     },
 )

@@ -1,0 +1,91 @@
+"""Evaluation: benchmark loaders on their real files, grading, the report's arithmetic, and an end-to-end run."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eval import report
+from eval.benchmarks import load_benchmark
+from eval.grading import gsm8k_correct, gsm8k_prediction, humaneval_completion, humaneval_passes
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("bench, count, turns", [("mt_bench", 80, 2), ("alpaca_eval", 805, 1), ("humaneval", 164, 1),
+                                                 ("gsm8k", 1319, 1)])
+def test_loaders_read_the_real_files(bench, count, turns):
+    questions = load_benchmark(bench)
+    assert len(questions) == count and len({q.question_id for q in questions}) == count
+    assert all(len(q.turns) == turns and all(t.strip() for t in q.turns) for q in questions)
+
+
+def test_humaneval_execution_marks_right_wrong_and_hanging_programs():
+    task = load_benchmark("humaneval")[0]
+    ref = task.reference
+    from eval.benchmarks import _jsonl, data_file
+
+    canonical = next(r for r in _jsonl(data_file("humaneval")) if r["task_id"] == task.question_id)["canonical_solution"]
+    assert humaneval_passes(ref["prompt"], canonical, ref["test"], ref["entry_point"])
+    assert not humaneval_passes(ref["prompt"], "    return False\n", ref["test"], ref["entry_point"])
+    assert not humaneval_passes(ref["prompt"], "    while True:\n        pass\n", ref["test"], ref["entry_point"],
+                                timeout_s=2.0)
+    assert humaneval_completion("    return 1\n\ndef other():\n    pass") == "    return 1\n"
+
+
+def test_gsm8k_answer_extraction():
+    assert gsm8k_prediction("So she makes 9 * 2 = $18 every day.\n#### 18") == "18"
+    assert gsm8k_prediction("The answer is 1,200.") == "1200"
+    assert gsm8k_prediction("It costs 3.50 dollars") == "3.5"
+    assert gsm8k_prediction("no numbers here") is None
+    assert gsm8k_correct("... so the total is 72", "Natalia sold 48/2 = 24 clips.\n#### 72")
+
+
+def _record(bench, method, qid, tokens, steps, wall, ids, turn=0, text=""):
+    return {"bench": bench, "method": method, "question_id": qid, "turn": turn, "run": 0, "new_tokens": tokens,
+            "steps": steps, "wall_time_s": wall, "token_ids": ids, "text": text}
+
+
+def test_report_arithmetic_on_hand_made_records(tmp_path):
+    rows = [
+        _record("mt_bench", "baseline", "1", 10, 10, 1.0, [1] * 10),
+        _record("mt_bench", "baseline", "1", 20, 20, 2.0, [2] * 20, turn=1),
+        _record("mt_bench", "hf", "1", 10, 10, 2.0, [1] * 10),
+        _record("mt_bench", "hf", "1", 20, 20, 4.0, [2] * 20, turn=1),
+        _record("mt_bench", "ppd", "1", 10, 4, 0.5, [1] * 10),
+        _record("mt_bench", "ppd", "1", 20, 8, 1.0, [3] * 20, turn=1),
+        _record("gsm8k", "ppd", "0", 5, 5, 1.0, [7], text="Janet makes #### 18"),
+        _record("gsm8k", "ppd", "1", 5, 5, 1.0, [7], text="#### 4"),
+    ]
+    path = tmp_path / "answers.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert report.main([str(path), "--output_dir", str(tmp_path / "out")]) == 0
+    got = {(r["bench"], r["method"]): r for r in json.loads((tmp_path / "out" / "report.json").read_text())["rows"]}
+    ppd = got[("mt_bench", "ppd")]
+    assert ppd["tokens_per_s"] == pytest.approx(30 / 1.5) and ppd["accept_length"] == pytest.approx(30 / 12)
+    assert ppd["speedup_vs_baseline"] == pytest.approx(20 / 10) and ppd["speedup_vs_hf"] == pytest.approx(20 / 5)
+    assert ppd["identical_to_baseline"] == pytest.approx(0.5) and ppd["compared_with_baseline"] == 2
+    assert got[("mt_bench", "hf")]["speedup_vs_baseline"] == pytest.approx(0.5)
+    # GSM8K question 0's answer is 18, question 1's is 3: one of two right.
+    assert got[("gsm8k", "ppd")]["quality"] == pytest.approx(0.5)
+    assert (tmp_path / "out" / "report.png").stat().st_size > 1000
+    assert "| mt_bench | ppd | 2 | 20.0 | 2.50 | 2.00x | 4.00x | 50.0% | - |" in (tmp_path / "out" / "report.md").read_text()
+
+
+@pytest.mark.parametrize("method", ["ppd", "baseline", "hf", "pld"])
+def test_two_question_run_per_method(method, tmp_path):
+    out = tmp_path / f"{method}.jsonl"
+    cmd = [sys.executable, "-m", "eval.gen_answers", "--bench", "mt_bench", "--method", method, "--limit", "2",
+           "--max_new_tokens", "12", "--warmup", "1", "--output", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["question_id"], r["turn"]) for r in records] == [("81", 0), ("81", 1), ("82", 0), ("82", 1)]
+    for r in records:
+        assert {"question_id", "turn", "method", "new_tokens", "steps", "wall_time_s", "token_ids", "text"} <= set(r)
+        assert r["method"] == method and 0 < r["new_tokens"] <= 12 and 1 <= r["steps"] <= r["new_tokens"]
+    # Started again, the run keeps what is there and adds nothing.
+    assert subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600).returncode == 0
+    assert len(out.read_text().splitlines()) == 4
