@@ -109,3 +109,18 @@ def rank_accuracy(top_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """
     hits = (top_ids == targets[..., None]).float()  # [E, N, K]
     return hits.mean(0)
+
+
+def heldout_split(dataset, eval_size: float, seed: int):
+    """``(train, held_out)``: ``eval_size`` examples (a share if < 1) held out by a seeded shuffle.
+
+    Training and ``eval.accuracy`` call this with the same arguments, so accuracies are measured on
+    examples the prompt tokens never saw. ``held_out`` is ``None`` for ``eval_size == 0``.
+    """
+    if not eval_size:
+        return dataset, None
+    count = int(eval_size) if eval_size >= 1 else max(1, round(eval_size * len(dataset)))
+    if count >= len(dataset):
+        raise ValueError(f"holding out {count} examples leaves nothing to train on ({len(dataset)} examples)")
+    split = dataset.train_test_split(test_size=count, seed=seed)
+    return split["train"], split["test"]

@@ -85,3 +85,16 @@ def build_tree_set(
     meta = {"budget": budget, "num_ensemble": num_ensemble, "accuracy": [list(map(float, r)) for r in accuracy]}
     meta.update(metadata or {})
     return TreeSet(n_prompt, len(accuracy[0]), trees, meta)
+
+
+def expected_tokens_per_step(tree: Tree, accuracy: Sequence[Sequence[float]]) -> float:
+    """Expected tokens one step of ``tree`` emits: 1 (the root) plus, for every candidate, the chance that
+    it is accepted (the product of its ranks' accuracies). Rank-accuracy tables measure each prompt token
+    on its own, so this treats successive guesses as independent."""
+    total = 1.0
+    for path in tree.paths:
+        chance = 1.0
+        for depth, rank in enumerate(path):
+            chance *= accuracy[depth][rank]
+        total += chance
+    return total

@@ -89,3 +89,36 @@ def test_two_question_run_per_method(method, tmp_path):
     # Started again, the run keeps what is there and adds nothing.
     assert subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600).returncode == 0
     assert len(out.read_text().splitlines()) == 4
+
+
+def test_expected_tokens_per_step_multiplies_rank_accuracies():
+    from ppd.tree import Tree
+    from ppd.tree_builder import expected_tokens_per_step
+
+    accuracy = [[0.5, 0.2], [0.4, 0.1]]
+    tree = Tree(((0,), (1,), (0, 0), (0, 1)), (1, 1, 1, 1), 1)
+    assert expected_tokens_per_step(tree, accuracy) == pytest.approx(1 + 0.5 + 0.2 + 0.5 * 0.4 + 0.5 * 0.1)
+
+
+def test_accuracy_trees_and_hardware_aware_pick(tmp_path):
+    from data_gen import generate
+
+    data = tmp_path / "ft"
+    assert generate.main(["--dataset_type", "finetune", "--output_path", str(data), "--max_samples", "60",
+                          "--model_max_length", "96"]) == 0
+    run = lambda *a: subprocess.run([sys.executable, "-m", *a], cwd=ROOT, capture_output=True, text=True,  # noqa: E731
+                                    timeout=600)
+    proc = run("eval.accuracy", "--dataset", str(data), "--eval_size", "8", "--output", str(tmp_path / "acc.json"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    table = json.loads((tmp_path / "acc.json").read_text())["rank_accuracy"]
+    assert len(table) == 3 and len(table[0]) == 10 and all(0 <= sum(row) <= 1 for row in table)
+    proc = run("eval.build_trees", "--accuracy", str(tmp_path / "acc.json"), "--budgets", "6", "12",
+               "--output_dir", str(tmp_path / "trees"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = run("eval.pick_tree", "--trees", str(tmp_path / "trees" / "tree_6.json"),
+               str(tmp_path / "trees" / "tree_12.json"), "--repeats", "2", "--output", str(tmp_path / "pick.json"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    pick = json.loads((tmp_path / "pick.json").read_text())
+    assert [r["rows"] for r in pick["rows"]][0] == 1 and len(pick["rows"]) == 3
+    best = max(pick["rows"], key=lambda r: r["tokens_per_s"])
+    assert pick["picked"] == best["tree"]

@@ -37,7 +37,7 @@ from ppd.config import AttentionType, PromptTokenConfig
 from ppd.dataset_info import DatasetType, PPDDatasetInfo
 from ppd.models import DEFAULT_MODEL, load_model, resolve_model
 from ppd.prompt_tokens import PromptTokens
-from ppd.training import Objective, PromptTokenCollator, PromptTokenModel
+from ppd.training import Objective, PromptTokenCollator, PromptTokenModel, heldout_split
 
 logger = logging.getLogger("train")
 
@@ -132,14 +132,10 @@ def load_dataset_for(data_args: DataArguments, pt_args: PromptTokenArguments, mo
         dataset = dataset.filter(lambda row: len(row["input_ids"]) <= limit, desc="length filter")
         if len(dataset) < before:
             logger.info("dropped %d examples longer than --model_max_length", before - len(dataset))
-    eval_dataset = None
-    size = data_args.eval_size
-    if size:
-        count = int(size) if size >= 1 else max(1, round(size * len(dataset)))
-        if count >= len(dataset):
-            raise ValueError(f"--eval_size {size} leaves nothing to train on ({len(dataset)} examples)")
-        split = dataset.train_test_split(test_size=count, seed=seed)
-        dataset, eval_dataset = split["train"], split["test"]
+    try:
+        dataset, eval_dataset = heldout_split(dataset, data_args.eval_size, seed)
+    except ValueError as error:
+        raise ValueError(f"--eval_size {data_args.eval_size}: {error}") from None
     if data_args.max_train_samples:
         dataset = dataset.select(range(min(data_args.max_train_samples, len(dataset))))
     if len(dataset) == 0:
