@@ -139,6 +139,8 @@ def _open_source(args: DataGenArguments, model_id: str) -> _Source:
             raise ValueError(f"{path} was cut for {info.num_prompt_tokens} prompt tokens, not "
                              f"--num_prompt_tokens {args.num_prompt_tokens}")
         rows = dataset.select_columns(["id", "input_ids", "labels"]).to_list()
+        logger.info("distilling %s: its cuts apply (max length %d, seed %d); --model_max_length and --seed are "
+                    "not used", path, info.model_max_length, info.seed)
         return _Source(rows, "rows", f"{info.source} (truncated: {path.resolve()})", info.model_max_length,
                        info.seed, info.cuts_per_conversation, info.summary)
     source = load_conversations(args.data_path)
