@@ -19,7 +19,7 @@ import torch
 
 from ppd.cli import add_adapter_args, add_model_args, load_decoder
 from ppd.dataset_info import PPDDatasetInfo
-from ppd.training import PromptTokenCollator, PromptTokenModel, heldout_split, rank_accuracy
+from ppd.training import PromptTokenCollator, accuracy_targets, PromptTokenModel, heldout_split, rank_accuracy
 
 from .records import environment, write_json
 
@@ -46,8 +46,7 @@ def measure(model: PromptTokenModel, dataset, top_k: int, batch_size: int) -> to
         batch = collate([dataset[i] for i in range(start, min(len(dataset), start + batch_size))])
         logits = model.prompt_logits(batch["input_ids"].to(device), batch["lengths"])
         tops.append(logits.topk(top_k, dim=-1).indices.cpu())
-        source = batch.get("teacher_token_ids", batch["labels"])
-        targets.append(source[:, 1:])
+        targets.append(accuracy_targets(batch))
     return rank_accuracy(torch.cat(tops), torch.cat(targets))
 
 

@@ -101,6 +101,15 @@ class PromptTokenCollator:
         return batch
 
 
+def accuracy_targets(batch: dict) -> torch.Tensor:
+    """[B, N] the tokens the prompt tokens should predict: the teacher's greedy ones when stored, else the
+    ground truth (a truncated dataset)."""
+    source = batch.get("teacher_token_ids")
+    if source is None:
+        source = batch["labels"]
+    return source[:, 1:]
+
+
 def rank_accuracy(top_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """[N, K]: the share of examples whose target is at rank r of prompt token k's top-K.
 

@@ -12,17 +12,9 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from ppd.prompt_tokens import PromptTokens
-from ppd.training import rank_accuracy
+from ppd.training import accuracy_targets, rank_accuracy
 
 EVAL_TOP_K = 10  # ranks kept per prompt token at evaluation (a tree's top-K rarely goes further)
-
-
-def eval_targets(inputs: dict) -> torch.Tensor:
-    """[B, N] the tokens the prompt tokens should predict: the teacher's greedy ones when stored."""
-    source = inputs.get("teacher_token_ids")
-    if source is None:
-        source = inputs["labels"]
-    return source[:, 1:]
 
 
 def accuracy_metrics(prediction) -> dict:
@@ -46,7 +38,7 @@ class PromptTokenTrainer(Trainer):
                              inputs.get("teacher_topk_logprobs")).detach()
         if prediction_loss_only:
             return loss, None, None
-        return loss, logits.topk(EVAL_TOP_K, dim=-1).indices, eval_targets(inputs)
+        return loss, logits.topk(EVAL_TOP_K, dim=-1).indices, accuracy_targets(inputs)
 
     def rank_table(self, dataset) -> list[list[float]]:
         """[N][K] rank accuracy on ``dataset`` (for the tree builder), computed like the metrics above."""
