@@ -2,8 +2,8 @@
 
 Usage:
     python -m eval.gen_answers --bench mt_bench --method ppd --model smollm2-135m-instruct \\
-        [--adapter DIR] [--tree FILE] [--temperature 0] [--max_new_tokens N] [--limit K] [--num_runs R] \\
-        --output results/answers/mt_bench-ppd.jsonl
+        [--adapter DIR] [--tree FILE] [--temperature 0] [--max_new_tokens N] [--offset S] [--limit K] \\
+        [--num_runs R] --output results/answers/mt_bench-ppd.jsonl
 
 Methods: ``ppd`` (prompt tokens + tree), ``baseline`` (the same engine, one token per step), ``hf``
 (transformers ``generate``) and ``pld`` (transformers prompt lookup, ``prompt_lookup_num_tokens``).
@@ -29,6 +29,7 @@ from ppd.config import DecodeConfig
 from ppd.decoder import eos_ids_of
 
 from .benchmarks import BENCHMARKS, DEFAULT_MAX_NEW_TOKENS, RAW_PROMPT, load_benchmark
+from .records import environment
 
 METHODS = ("ppd", "baseline", "hf", "pld")
 
@@ -41,7 +42,8 @@ def make_parser() -> argparse.ArgumentParser:
     add_adapter_args(parser)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--max_new_tokens", type=int, default=None, help="default: 1024 (512 for humaneval)")
-    parser.add_argument("--limit", type=int, default=None, help="the first K questions only")
+    parser.add_argument("--offset", type=int, default=0, help="skip the first S questions (for shards)")
+    parser.add_argument("--limit", type=int, default=None, help="K questions only (the first K after --offset)")
     parser.add_argument("--num_runs", type=int, default=1, help="timed runs of every question and turn")
     parser.add_argument("--warmup", type=int, default=3, help="untimed generations before timing")
     parser.add_argument("--prompt_lookup_num_tokens", type=int, default=10, help="pld: tokens drafted per lookup")
@@ -70,6 +72,7 @@ class Answerer:
         self.device = self.model.get_input_embeddings().weight.device
         self.eos = sorted(eos_ids_of(self.model, self.tokenizer))
         self.counter = ForwardCounter(self.model) if args.method in ("hf", "pld") else None
+        self.environment = environment(self.device)
 
     def _sync(self):
         if self.device.type == "cuda":
@@ -114,21 +117,34 @@ class Answerer:
 def _done(path: Path) -> dict[tuple[str, int, int], dict]:
     """Records already written (a resumed run skips them; MT-Bench's second turn reuses the first answer)."""
     done = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                record = json.loads(line)
-                done[(record["question_id"], record["turn"], record.get("run", 0))] = record
+    if not path.exists():
+        return done
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number < len(lines):
+                raise ValueError(f"{path}:{number} is not JSON; only a last line cut short is repaired") from None
+            # A run killed in the middle of writing its last line: drop that line and redo the answer.
+            print(f"{path}: dropping a last line cut short", file=sys.stderr)
+            path.write_text("".join(kept + "\n" for kept in lines[:-1]), encoding="utf-8")
+            break
+        done[(record["question_id"], record["turn"], record.get("run", 0))] = record
     return done
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
-    if args.num_runs < 1 or args.warmup < 0 or (args.limit is not None and args.limit < 1):
-        parser.error("--num_runs and --limit must be >= 1, --warmup >= 0")
+    if args.num_runs < 1 or args.warmup < 0 or args.offset < 0 or (args.limit is not None and args.limit < 1):
+        parser.error("--num_runs and --limit must be >= 1, --warmup and --offset >= 0")
     max_new_tokens = args.max_new_tokens or DEFAULT_MAX_NEW_TOKENS[args.bench]
-    questions = load_benchmark(args.bench)[: args.limit]
+    questions = load_benchmark(args.bench)
+    if args.offset >= len(questions):
+        parser.error(f"--offset {args.offset} is past the {len(questions)} questions of {args.bench}")
+    end = None if args.limit is None else args.offset + args.limit
+    questions = questions[args.offset:end]
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     done = _done(output)
@@ -160,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                             "prompt_tokens": len(ids), "new_tokens": len(result["token_ids"]),
                             **result,
                             "text": answerer.tokenizer.decode(result["token_ids"], skip_special_tokens=True),
+                            "environment": answerer.environment,
                         }
                         sink.write(json.dumps(record) + "\n")
                         sink.flush()
