@@ -31,7 +31,7 @@ class Question:
     question_id: str
     turns: list[str]
     category: str = ""
-    reference: dict = field(default_factory=dict)  # humaneval: test + entry_point; gsm8k: answer
+    reference: dict = field(default_factory=dict)  # humaneval: prompt, test, entry point, solution; gsm8k: answer
 
 
 def data_file(bench: str) -> Path:
@@ -60,6 +60,7 @@ def load_benchmark(bench: str) -> list[Question]:
         return [Question(str(i), [r["instruction"]], r.get("dataset", "")) for i, r in enumerate(rows)]
     if bench == "humaneval":
         return [Question(r["task_id"], [r["prompt"]], "",
-                         {"test": r["test"], "entry_point": r["entry_point"], "prompt": r["prompt"]})
+                         {"test": r["test"], "entry_point": r["entry_point"], "prompt": r["prompt"],
+                          "canonical_solution": r["canonical_solution"]})
                 for r in _jsonl(path)]
     return [Question(str(i), [r["question"]], "", {"answer": r["answer"]}) for i, r in enumerate(_jsonl(path))]

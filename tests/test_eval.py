@@ -1,8 +1,10 @@
 """Evaluation: benchmark loaders on their real files, grading, the report's arithmetic, and an end-to-end run."""
 
 import json
+import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,7 @@ import pytest
 from eval import report
 from eval.benchmarks import load_benchmark
 from eval.grading import gsm8k_correct, gsm8k_prediction, humaneval_completion, humaneval_passes
+from ppd.prompt_tokens import packaged_adapter
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,14 +28,23 @@ def test_loaders_read_the_real_files(bench, count, turns):
 def test_humaneval_execution_marks_right_wrong_and_hanging_programs():
     task = load_benchmark("humaneval")[0]
     ref = task.reference
-    from eval.benchmarks import _jsonl, data_file
-
-    canonical = next(r for r in _jsonl(data_file("humaneval")) if r["task_id"] == task.question_id)["canonical_solution"]
-    assert humaneval_passes(ref["prompt"], canonical, ref["test"], ref["entry_point"])
+    assert humaneval_passes(ref["prompt"], ref["canonical_solution"], ref["test"], ref["entry_point"])
     assert not humaneval_passes(ref["prompt"], "    return False\n", ref["test"], ref["entry_point"])
     assert not humaneval_passes(ref["prompt"], "    while True:\n        pass\n", ref["test"], ref["entry_point"],
                                 timeout_s=2.0)
     assert humaneval_completion("    return 1\n\ndef other():\n    pass") == "    return 1\n"
+
+
+def test_every_humaneval_canonical_solution_passes_the_grader():
+    tasks = load_benchmark("humaneval")
+
+    def passes(task):
+        ref = task.reference
+        return humaneval_passes(ref["prompt"], ref["canonical_solution"], ref["test"], ref["entry_point"])
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        failed = [t.question_id for t, ok in zip(tasks, pool.map(passes, tasks)) if not ok]
+    assert failed == []
 
 
 def test_gsm8k_answer_extraction():
@@ -115,10 +127,17 @@ def test_accuracy_trees_and_hardware_aware_pick(tmp_path):
     proc = run("eval.build_trees", "--accuracy", str(tmp_path / "acc.json"), "--budgets", "6", "12",
                "--output_dir", str(tmp_path / "trees"))
     assert proc.returncode == 0, proc.stderr[-2000:]
+    adapter = tmp_path / "adapter"
+    shutil.copytree(packaged_adapter("HuggingFaceTB/SmolLM2-135M-Instruct"), adapter)
+    (adapter / "tree_cpu.json").unlink()
     proc = run("eval.pick_tree", "--trees", str(tmp_path / "trees" / "tree_6.json"),
-               str(tmp_path / "trees" / "tree_12.json"), "--repeats", "2", "--output", str(tmp_path / "pick.json"))
+               str(tmp_path / "trees" / "tree_12.json"), "--repeats", "2", "--output", str(tmp_path / "pick.json"),
+               "--adapter", str(adapter), "--install")
     assert proc.returncode == 0, proc.stderr[-2000:]
     pick = json.loads((tmp_path / "pick.json").read_text())
     assert [r["rows"] for r in pick["rows"]][0] == 1 and len(pick["rows"]) == 3
     best = max(pick["rows"], key=lambda r: r["tokens_per_s"])
     assert pick["picked"] == best["tree"]
+    best_tree = max(pick["rows"][1:], key=lambda r: r["tokens_per_s"])["tree"]
+    assert pick["best_tree"] == best_tree
+    assert (adapter / "tree_cpu.json").read_bytes() == Path(best_tree).read_bytes()
