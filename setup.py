@@ -30,6 +30,6 @@ setup(
         "train": ["peft>=0.13", "accelerate>=1.0", "bitsandbytes>=0.45", "datasets>=3.0"],
         "app": ["gradio>=5.0"],
         "eval": ["matplotlib>=3.7"],
-        "test": ["pytest>=8"],
+        "test": ["pytest>=8", "playwright>=1.40"],
     },
 )

@@ -248,39 +248,42 @@ class Decoder:
         capacity = max(prefill_rows, min(longest + config.max_new_tokens, self.max_positions) + 2 * widest)
         cache = KVCache(self.model.config.num_hidden_layers, len(batch), capacity, self.device)
 
+        # Inference mode is thread-local and the caller may resume this generator on another thread (a web
+        # server's worker pool does): it is entered afresh between yields, never held across one.
         with torch.inference_mode():
             root, guesses = self._prefill(batch, cache, n_prompt, config, generator)
             roots = root.tolist()
-            for b in range(len(batch)):
-                state.add(b, [roots[b]], count_step=False)
-            yield state
+        for b in range(len(batch)):
+            state.add(b, [roots[b]], count_step=False)
+        yield state
 
-            host_lengths = list(lengths)
-            key = n_prompt
-            step = 0
-            while not all(state.finished()):
-                buffers = self.tree_buffers(key) if key else self.chain_buffers()
-                if max(host_lengths) + buffers.max_offset >= self.max_positions:
-                    # Near the end of the context window the tree's positions would not fit: one row a step.
-                    buffers, key = self.chain_buffers(), 0
+        host_lengths = list(lengths)
+        key = n_prompt
+        step = 0
+        while not all(state.finished()):
+            buffers = self.tree_buffers(key) if key else self.chain_buffers()
+            if max(host_lengths) + buffers.max_offset >= self.max_positions:
+                # Near the end of the context window the tree's positions would not fit: one row a step.
+                buffers, key = self.chain_buffers(), 0
+            with torch.inference_mode():
                 active = torch.tensor([not f for f in state.finished()], device=self.device)
                 attend = capacity if config.static_kv else max(host_lengths) + buffers.num_rows
                 result = self._step(buffers, key, root, guesses, cache, attend, active, config, generator)
                 root, guesses, emitted, count, next_key = result
-                step += 1
                 # The one host synchronisation of the step: counts, next keys and tokens in one transfer.
                 host = torch.cat([count[:, None], next_key[:, None], emitted], dim=1).tolist()
-                counts, keys = [row[0] for row in host], [row[1] for row in host]
-                guessed = []
-                for b in range(len(batch)):
-                    kept = state.add(b, host[b][2: 2 + counts[b]], count_step=True)
-                    guessed.append(max(0, min(len(kept), counts[b] - 1)))
-                    host_lengths[b] += counts[b]
-                # With a batch, every row takes the smallest tree any unfinished row can feed.
-                alive = [keys[b] for b, done in enumerate(state.finished()) if not done]
-                key = min(alive) if alive else 0
-                state.current_step, state.current_guessed = step, guessed
-                yield state
+            step += 1
+            counts, keys = [row[0] for row in host], [row[1] for row in host]
+            guessed = []
+            for b in range(len(batch)):
+                kept = state.add(b, host[b][2: 2 + counts[b]], count_step=True)
+                guessed.append(max(0, min(len(kept), counts[b] - 1)))
+                host_lengths[b] += counts[b]
+            # With a batch, every row takes the smallest tree any unfinished row can feed.
+            alive = [keys[b] for b, done in enumerate(state.finished()) if not done]
+            key = min(alive) if alive else 0
+            state.current_step, state.current_guessed = step, guessed
+            yield state
 
     def _forward(self, embeds: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                  logits_to_keep: torch.Tensor | int = 0) -> torch.Tensor:

@@ -94,6 +94,24 @@ def test_stream_yields_the_same_tokens_as_generate():
     assert all(step.guessed[0] < max(len(step.tokens[0]), 1) for step in steps)
 
 
+def test_a_stream_resumed_on_other_threads_decodes_the_same_tokens():
+    # A web server iterates a generator on whichever worker thread is free; inference mode is thread-local.
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = tiny_model(seed=10)
+    decoder = Decoder(model, random_prompt_tokens(model, seed=10), random_tree_set(seed=10, size=12))
+    config = DecodeConfig(max_new_tokens=20, stop_on_eos=False)
+    steps = decoder.stream([4, 5, 6], config)
+    tokens = []
+    with ThreadPoolExecutor(max_workers=1) as first, ThreadPoolExecutor(max_workers=1) as second:
+        for i in range(1000):
+            step = (first if i % 2 else second).submit(next, steps, None).result()
+            if step is None:
+                break
+            tokens.extend(step.tokens[0])
+    assert tokens == decoder.generate([4, 5, 6], config).token_ids
+
+
 def test_ppd_without_prompt_tokens_is_a_clear_error():
     model = tiny_model()
     with pytest.raises(ValueError, match="needs prompt tokens"):

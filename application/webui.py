@@ -1,0 +1,169 @@
+"""Chat with a model in the browser, with PPD on or off, and watch the speed-up live.
+
+Usage:
+    python -m application.webui [--model smollm2-135m-instruct] [--adapter DIR | --ppd-path DIR] [--tree FILE] \\
+        [--load_in_4bit | --load_in_8bit] [--host 127.0.0.1] [--port 7860] [--share]
+
+Binds to 127.0.0.1 unless ``--host`` says otherwise; a public gradio link only with ``--share``.
+Importing this module loads nothing: ``main`` loads the model, ``build_demo(engine)`` returns the
+gradio Blocks (tests start it themselves). Requests are queued and served one at a time, so no two
+answers share the model at once; each browser session's Stop ends only its own answer. Besides the
+chat, the app serves a named API endpoint, ``/generate`` (message, use_ppd, temperature,
+max_new_tokens -> text, stats), for ``gradio_client``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ppd.cli import add_adapter_args, add_model_args, load_decoder
+from ppd.decoder import PromptTooLongError
+
+from .chat_engine import ChatEngine, EmptyMessageError, ReplyUpdate
+
+GUESS_LABEL = "PPD guess"
+EMPTY_HINT = "Type a message first: empty messages are not sent."
+QUEUE = "model"  # every event that runs the model shares this queue, one at a time
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m application.webui", description=__doc__.split("\n")[0])
+    add_model_args(parser)
+    add_adapter_args(parser)
+    parser.add_argument("--ppd-path", "--ppd_path", dest="adapter", default=argparse.SUPPRESS,
+                        help="the reference app's name for --adapter")
+    parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default: this machine only)")
+    parser.add_argument("--port", type=int, default=7860)
+    parser.add_argument("--share", action="store_true", help="also open a public gradio.live link")
+    parser.add_argument("--max_new_tokens", type=int, default=512, help="the slider's starting value")
+    return parser
+
+
+def stats_markdown(update: ReplyUpdate | None) -> str:
+    if update is None:
+        return "Send a message to see the decoding speed."
+    label = "PPD" if update.method == "ppd" else "baseline (one token per forward pass)"
+    state = "done" if update.finished else "generating"
+    return (f"**{label}** · {state} · {update.new_tokens} tokens in {update.steps} forward passes · "
+            f"accept length **{update.accept_length:.2f}** tokens per pass · **{update.tokens_per_s:.1f}** tokens/s")
+
+
+def highlighted(update: ReplyUpdate) -> list[tuple[str, str | None]]:
+    return [(text, GUESS_LABEL if guess else None) for text, guess in update.pieces]
+
+
+def build_demo(engine: ChatEngine, max_new_tokens: int = 512, title: str | None = None):
+    """The chat app for ``engine`` (a gradio Blocks; call ``.queue().launch(...)`` on it)."""
+    import gradio as gr
+
+    info = engine.loaded
+    ppd_available = engine.has_prompt_tokens
+    heading = title or (f"# ppd chat\n`{info.info.model_id}` · prompt tokens: `{info.adapter}` · tree: `{info.tree}` · "
+                        f"context window {engine.context_window} tokens")
+
+    def add_message(message: str, history: list[dict], shown: str):
+        if not message or not message.strip():
+            gr.Warning(EMPTY_HINT, duration=4)
+            return message, history, EMPTY_HINT
+        return "", history + [{"role": "user", "content": message}], shown
+
+    def respond(history: list[dict], use_ppd: bool, show_guesses: bool, temperature: float, limit: int):
+        if not history or history[-1]["role"] != "user":
+            return  # nothing new to answer (an empty message was ignored)
+        history = history + [{"role": "assistant", "content": ""}]
+        try:
+            for update in engine.stream(history[:-1], use_ppd=use_ppd, temperature=temperature,
+                                        max_new_tokens=int(limit)):
+                history[-1] = {"role": "assistant", "content": update.text}
+                yield history, stats_markdown(update), gr.update(value=highlighted(update), visible=show_guesses)
+        except PromptTooLongError as error:
+            history[-1] = {"role": "assistant", "content": (
+                f"⚠️ This conversation does not fit the model's context window ({error}). "
+                "Clear the chat or send a shorter message.")}
+            yield history, "Nothing generated: the conversation is longer than the context window.", gr.update()
+        except EmptyMessageError:
+            yield history[:-1], EMPTY_HINT, gr.update()
+
+    def regenerate_prepare(history: list[dict]):
+        while history and history[-1]["role"] == "assistant":
+            history = history[:-1]
+        return history
+
+    def api_generate(message: str, use_ppd: bool = True, temperature: float = 0.0,
+                     max_new_tokens: int = 256) -> tuple[str, dict]:
+        """Answer one message (no history); returns the text and the decoding statistics."""
+        try:
+            update = engine.reply([{"role": "user", "content": message}], use_ppd=use_ppd,
+                                  temperature=float(temperature), max_new_tokens=int(max_new_tokens))
+        except (PromptTooLongError, EmptyMessageError, ValueError) as error:
+            raise gr.Error(str(error)) from None
+        return update.text, update.stats()
+
+    with gr.Blocks(title="ppd chat") as demo:
+        gr.Markdown(heading)
+        chatbot = gr.Chatbot(label="Chat", height=420, elem_id="chat")
+        with gr.Row():
+            message = gr.Textbox(placeholder="Type a message and press Enter", show_label=False, scale=8,
+                                 elem_id="message", autofocus=True)
+            send = gr.Button("Send", variant="primary", scale=1, elem_id="send")
+            stop = gr.Button("Stop", variant="stop", scale=1, elem_id="stop")
+        with gr.Row():
+            regenerate = gr.Button("Regenerate", elem_id="regenerate")
+            clear = gr.Button("Clear", elem_id="clear")
+        stats = gr.Markdown(stats_markdown(None), elem_id="stats")
+        guesses = gr.HighlightedText(label="Last answer: text from accepted PPD guesses is marked", visible=False,
+                                     combine_adjacent=True, color_map={GUESS_LABEL: "green"}, show_legend=True,
+                                     show_inline_category=False, elem_id="guesses")
+        with gr.Accordion("Settings", open=True):
+            with gr.Row():
+                use_ppd = gr.Checkbox(value=ppd_available, interactive=ppd_available, elem_id="use-ppd",
+                                      label="PPD (prompt tokens + tree)" if ppd_available
+                                      else "PPD (unavailable: no prompt tokens loaded)")
+                show_guesses = gr.Checkbox(value=False, label="Mark tokens from accepted PPD guesses",
+                                           elem_id="show-guesses")
+            with gr.Row():
+                temperature = gr.Slider(0.0, 1.5, value=0.0, step=0.05, label="Temperature (0 = greedy, lossless)",
+                                        elem_id="temperature")
+                limit = gr.Slider(1, engine.context_window, value=max_new_tokens, step=1, label="Max new tokens",
+                                  elem_id="max-new-tokens")
+
+        answer_inputs = [chatbot, use_ppd, show_guesses, temperature, limit]
+        answer_outputs = [chatbot, stats, guesses]
+        run = dict(concurrency_limit=1, concurrency_id=QUEUE, api_visibility="private")
+        # Taking the message in waits for nobody (no model work); it is queued only so that its hint shows.
+        take = dict(fn=add_message, inputs=[message, chatbot, stats], outputs=[message, chatbot, stats],
+                    concurrency_limit=None, api_visibility="private")
+        submitted = message.submit(**take).then(respond, answer_inputs, answer_outputs, **run)
+        clicked = send.click(**take).then(respond, answer_inputs, answer_outputs, **run)
+        regenerated = regenerate.click(regenerate_prepare, chatbot, chatbot, queue=False,
+                                       api_visibility="private").then(respond, answer_inputs, answer_outputs, **run)
+        stop.click(lambda text: text.replace("· generating ·", "· stopped ·"), stats, stats,
+                   cancels=[submitted, clicked, regenerated], queue=False, api_visibility="private")
+        clear.click(lambda: ([], stats_markdown(None), gr.update(value=[], visible=False)), None,
+                    [chatbot, stats, guesses], cancels=[submitted, clicked, regenerated], queue=False,
+                    api_visibility="private")
+        show_guesses.change(lambda show: gr.update(visible=show), show_guesses, guesses, queue=False,
+                            api_visibility="private")
+        gr.api(api_generate, api_name="generate", concurrency_limit=1, concurrency_id=QUEUE)
+    return demo
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if not 1 <= args.port <= 65535:
+        parser.error(f"--port must be within 1..65535, not {args.port}")
+    if args.max_new_tokens < 1:
+        parser.error("--max_new_tokens must be >= 1")
+    engine = ChatEngine(load_decoder(args))
+    if args.max_new_tokens > engine.context_window:
+        parser.error(f"--max_new_tokens {args.max_new_tokens} exceeds the context window ({engine.context_window})")
+    demo = build_demo(engine, max_new_tokens=args.max_new_tokens)
+    print(f"serving on http://{args.host}:{args.port}" + (" and a public share link" if args.share else ""))
+    demo.queue(default_concurrency_limit=1).launch(server_name=args.host, server_port=args.port, share=args.share)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""The chat app: its engine on the real model, the /generate API through gradio_client, queued concurrent
+requests, and a real browser (Playwright driving Debian's Chromium) using the page as a person would."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from application import webui
+from application.chat_engine import ChatEngine, EmptyMessageError
+from ppd.chat import chat_input_ids
+from ppd.cli import load_decoder
+from ppd.decoder import PromptTooLongError
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = os.environ.get("PPD_CHROMIUM", "/usr/bin/chromium")
+QUESTION = "Why is the sky blue?"
+# Under CI (.ci/run installs Chromium) a missing browser is a failure, not a skip.
+needs_chromium = pytest.mark.skipif(not Path(CHROMIUM).exists() and not os.environ.get("CI"),
+                                    reason="needs Debian's chromium at /usr/bin/chromium (.ci/run installs it)")
+
+
+class RecordingEngine(ChatEngine):
+    """Notes when each reply starts and ends, so tests can see whether two replies overlapped."""
+
+    def __init__(self, loaded):
+        super().__init__(loaded)
+        self.spans: list[tuple[float, float]] = []
+
+    def stream(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            yield from super().stream(*args, **kwargs)
+        finally:
+            self.spans.append((start, time.perf_counter()))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    args = webui.make_parser().parse_args(["--device", "cpu"])
+    return RecordingEngine(load_decoder(args))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def app_url(engine):
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    demo = webui.build_demo(engine, max_new_tokens=24)
+    port = _free_port()
+    demo.queue(default_concurrency_limit=1).launch(server_name="127.0.0.1", server_port=port,
+                                                   prevent_thread_lock=True, quiet=True)
+    yield f"http://127.0.0.1:{port}/"
+    demo.close()
+
+
+def test_importing_the_app_loads_nothing_heavy():
+    code = "import sys, application.webui; print('gradio' in sys.modules, 'transformers.models' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False"]
+
+
+def test_flags_bind_locally_by_default_and_accept_the_reference_adapter_flag():
+    args = webui.make_parser().parse_args([])
+    assert args.host == "127.0.0.1" and not args.share and args.adapter is None
+    assert webui.make_parser().parse_args(["--ppd-path", "some/dir"]).adapter == "some/dir"
+    with pytest.raises(SystemExit):
+        webui.make_parser().parse_args(["--load_in_4bit", "--load_in_8bit"])
+
+
+def test_engine_streams_the_greedy_answer_with_and_without_ppd(engine):
+    history = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
+               {"role": "user", "content": [{"type": "text", "text": QUESTION}]}]
+    assert engine.prompt_ids(history) == chat_input_ids(engine.tokenizer, [
+        {"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": QUESTION}])
+    updates = []
+    for update in engine.stream(history, use_ppd=True, max_new_tokens=40):
+        updates.append((update.text, update.new_tokens, update.finished))
+    final = update
+    assert len(updates) >= 3 and not updates[0][2] and updates[-1][2]
+    assert [n for _, n, _ in updates] == sorted(n for _, n, _ in updates)  # the text only grows
+    assert final.method == "ppd" and final.new_tokens == 40 and final.finish_reason == "length"
+    assert "".join(text for text, _ in final.pieces) == final.text
+    assert any(guess for _, guess in final.pieces) and final.accept_length > 1.0
+    baseline = engine.reply(history, use_ppd=False, max_new_tokens=40)
+    assert baseline.method == "baseline" and baseline.token_ids == final.token_ids and baseline.text == final.text
+    assert not any(guess for _, guess in baseline.pieces) and baseline.steps == 39  # the prefill gives the first
+
+
+def test_engine_rejects_empty_and_too_long_messages(engine):
+    with pytest.raises(EmptyMessageError):
+        next(engine.stream([{"role": "user", "content": "   "}]))
+    too_long = "word " * (engine.context_window + 10)
+    with pytest.raises(PromptTooLongError, match="context window"):
+        next(engine.stream([{"role": "user", "content": too_long}]))
+
+
+def test_generate_endpoint_through_gradio_client(engine, app_url):
+    from gradio_client import Client
+
+    client = Client(app_url, verbose=False)
+    text, stats = client.predict(QUESTION, True, 0.0, 24, api_name="/generate")
+    expected = engine.reply([{"role": "user", "content": QUESTION}], use_ppd=False, max_new_tokens=24)
+    assert text == expected.text and text.strip()
+    assert stats["method"] == "ppd" and stats["new_tokens"] == 24 and stats["steps"] >= 1
+    assert stats["accept_length"] == pytest.approx(24 / stats["steps"], abs=1e-3) and stats["tokens_per_s"] > 0
+    text_off, stats_off = client.predict(message=QUESTION, use_ppd=False, temperature=0.0, max_new_tokens=24,
+                                         api_name="/generate")
+    assert text_off == text and stats_off["method"] == "baseline"
+    with pytest.raises(Exception, match="empty"):
+        client.predict("  ", True, 0.0, 24, api_name="/generate")
+
+
+def test_two_concurrent_requests_are_queued_and_both_answered(engine, app_url):
+    from gradio_client import Client
+
+    questions = ["Write a haiku about rain.", "What is 12 times 12?"]
+    solo = [engine.reply([{"role": "user", "content": q}], use_ppd=True, max_new_tokens=24).text for q in questions]
+    engine.spans.clear()
+    clients = [Client(app_url, verbose=False) for _ in questions]
+    barrier = threading.Barrier(len(questions))
+    results: list = [None] * len(questions)
+
+    def ask(i: int) -> None:
+        barrier.wait()
+        results[i] = clients[i].predict(questions[i], True, 0.0, 24, api_name="/generate")
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(questions))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert [r[0] for r in results] == solo
+    (a_start, a_end), (b_start, b_end) = sorted(engine.spans)
+    assert a_end <= b_start  # the second waited in the queue: no two answers ran on the model at once
+
+
+@needs_chromium
+def test_chat_in_a_real_browser(engine, app_url, tmp_path):
+    from playwright.sync_api import expect, sync_playwright
+
+    flags = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync"]
+    expected_reply = engine.reply([{"role": "user", "content": QUESTION}], use_ppd=False, max_new_tokens=24).text
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=flags)
+        page = browser.new_page(viewport={"width": 1100, "height": 1000})
+        page.goto(app_url)
+        bot = page.locator("#chat .message-row.bot-row")
+        stats = page.locator("#stats")
+
+        # An empty message is ignored, with a hint.
+        page.locator("#send").click()
+        expect(page.get_by_text(webui.EMPTY_HINT).first).to_be_visible(timeout=10_000)
+        assert bot.count() == 0
+
+        # A question, streamed: the stats say "generating" before "done", then the answer is there.
+        page.locator("#message textarea").fill(QUESTION)
+        page.locator("#send").click()
+        expect(stats).to_contain_text("generating", timeout=60_000)
+        expect(stats).to_contain_text("done", timeout=120_000)
+        expect(stats).to_contain_text("PPD")
+        expect(stats).to_contain_text("tokens/s")
+        ppd_answer = bot.last.inner_text().strip()
+        assert ppd_answer == expected_reply.strip()
+        page.locator("#show-guesses input").check()
+        expect(page.locator("#guesses")).to_be_visible()
+        page.screenshot(path=os.environ.get("PPD_SCREENSHOT", str(tmp_path / "webui.png")), full_page=True)
+
+        # PPD off, chat cleared, the same question: the same greedy answer, decoded one token per pass.
+        page.locator("#use-ppd input").uncheck()
+        page.locator("#clear").click()
+        expect(bot).to_have_count(0)
+        page.locator("#message textarea").fill(QUESTION)
+        page.locator("#message textarea").press("Enter")
+        expect(stats).to_contain_text("baseline", timeout=60_000)
+        expect(stats).to_contain_text("done", timeout=120_000)
+        assert bot.last.inner_text().strip() == ppd_answer
+        browser.close()
+
+
+@needs_chromium
+def test_one_users_stop_does_not_stop_anothers_answer(engine, app_url):
+    from playwright.sync_api import expect, sync_playwright
+
+    flags = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update"]
+    expected = engine.reply([{"role": "user", "content": QUESTION}], use_ppd=True, max_new_tokens=24).text
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=flags)
+        alice, bob = browser.new_page(), browser.new_page()
+        for page in (alice, bob):
+            page.goto(app_url)
+        alice.locator("#max-new-tokens input[type=number]").fill("400")
+        alice.locator("#max-new-tokens input[type=number]").press("Enter")
+        alice.locator("#message textarea").fill("Tell me a long story about a dragon.")
+        alice.locator("#send").click()
+        expect(alice.locator("#stats")).to_contain_text("generating", timeout=60_000)
+        bob.locator("#message textarea").fill(QUESTION)
+        bob.locator("#send").click()  # queued behind Alice's answer
+        alice.locator("#stop").click()
+        expect(alice.locator("#stats")).to_contain_text("stopped", timeout=10_000)
+        expect(bob.locator("#stats")).to_contain_text("done", timeout=120_000)
+        assert bob.locator("#chat .message-row.bot-row").last.inner_text().strip() == expected.strip()
+        browser.close()
