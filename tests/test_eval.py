@@ -83,7 +83,7 @@ def test_report_arithmetic_on_hand_made_records(tmp_path):
     # GSM8K question 0's answer is 18, question 1's is 3: one of two right.
     assert got[("gsm8k", "ppd")]["quality"] == pytest.approx(0.5)
     assert (tmp_path / "out" / "report.png").stat().st_size > 1000
-    assert "| mt_bench | ppd | 2 | 20.0 | 2.50 | 2.00x | 4.00x | 50.0% | - |" in (tmp_path / "out" / "report.md").read_text()
+    assert "| mt_bench | ppd | 2 | 20.0 | 2.50 | 2.00x | 4.00x | - | 50.0% | - |" in (tmp_path / "out" / "report.md").read_text()
 
 
 @pytest.mark.parametrize("method", ["ppd", "baseline", "hf", "pld"])
@@ -141,3 +141,22 @@ def test_accuracy_trees_and_hardware_aware_pick(tmp_path):
     best_tree = max(pick["rows"][1:], key=lambda r: r["tokens_per_s"])["tree"]
     assert pick["best_tree"] == best_tree
     assert (adapter / "tree_cpu.json").read_bytes() == Path(best_tree).read_bytes()
+
+
+def test_suite_stops_at_its_deadline_and_resumes_to_the_complete_grid(tmp_path):
+    from eval import run_suite
+
+    out = tmp_path / "suite"
+    own = ["--benches", "gsm8k", "--methods", "baseline", "ppd", "--limit", "gsm8k=2", "--shard_size", "1",
+           "--max_new_tokens", "4", "--devices", "cpu", "--output_dir", str(out)]
+    tail = ["--", "--warmup", "0"]
+    assert run_suite.main(own + ["--deadline_s", "0.5"] + tail) == 3  # stopped before any shard finished
+    # A shard killed while writing leaves a last line cut short: the resumed shard drops and redoes it.
+    (out / "gsm8k-ppd-0001.jsonl").write_text('{"bench": "gsm8k", "question_id": "1", "tu')
+    assert run_suite.main(own + tail) == 0
+    records = report.read_records(sorted(str(p) for p in out.glob("*.jsonl")))
+    assert sorted((r["method"], r["question_id"]) for r in records) == [
+        ("baseline", "0"), ("baseline", "1"), ("ppd", "0"), ("ppd", "1")]
+    assert {r["environment"]["device"] for r in records} and all(r["new_tokens"] == 4 for r in records)
+    assert run_suite.main(own + tail) == 0  # nothing left to do
+    assert len(report.read_records([str(p) for p in out.glob("*.jsonl")])) == 4

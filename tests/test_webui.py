@@ -80,6 +80,15 @@ def test_flags_bind_locally_by_default_and_accept_the_reference_adapter_flag():
         webui.make_parser().parse_args(["--load_in_4bit", "--load_in_8bit"])
 
 
+def test_impossible_requests_stop_before_serving(capsys):
+    with pytest.raises(SystemExit):
+        webui.main(["--device", "cpu", "--load_in_4bit"])
+    assert "need a CUDA device" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        webui.main(["--port", "70000"])
+    assert "--port" in capsys.readouterr().err
+
+
 def test_engine_streams_the_greedy_answer_with_and_without_ppd(engine):
     history = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
                {"role": "user", "content": [{"type": "text", "text": QUESTION}]}]
@@ -167,6 +176,15 @@ def test_chat_in_a_real_browser(engine, app_url, tmp_path):
         expect(page.get_by_text(webui.EMPTY_HINT).first).to_be_visible(timeout=10_000)
         assert bot.count() == 0
 
+        # A message longer than the context window: a notice in the chat, the text back in the box.
+        too_long = " ".join(["word"] * (engine.context_window + 10))
+        page.locator("#message textarea").fill(too_long)
+        page.locator("#send").click()
+        expect(page.locator("#chat")).to_contain_text("context window", timeout=60_000)
+        expect(page.locator("#message textarea")).to_have_value(too_long, timeout=10_000)
+        page.locator("#clear").click()
+        expect(page.locator("#chat")).not_to_contain_text("context window")
+
         # A question, streamed: the stats say "generating" before "done", then the answer is there.
         page.locator("#message textarea").fill(QUESTION)
         page.locator("#send").click()
@@ -188,6 +206,13 @@ def test_chat_in_a_real_browser(engine, app_url, tmp_path):
         page.locator("#message textarea").press("Enter")
         expect(stats).to_contain_text("baseline", timeout=60_000)
         expect(stats).to_contain_text("done", timeout=120_000)
+        assert bot.last.inner_text().strip() == ppd_answer
+
+        # Regenerate replaces the last answer (greedy: with the same one), not adds a second.
+        page.locator("#regenerate").click()
+        expect(stats).not_to_contain_text("done", timeout=10_000)
+        expect(stats).to_contain_text("done", timeout=120_000)
+        expect(bot).to_have_count(1)
         assert bot.last.inner_text().strip() == ppd_answer
         browser.close()
 
