@@ -136,9 +136,11 @@ class Runner:
                 return
             started = time.perf_counter()
             with open(self.out / "logs" / f"{shard.name}.log", "a") as log:
-                process = subprocess.Popen(self.command(shard, device), env=env, stdout=log, stderr=subprocess.STDOUT,
-                                           cwd=REPO_ROOT, start_new_session=True)
-                with self.lock:
+                with self.lock:  # a stop either sees this process or comes before it starts
+                    if self.stopping.is_set():
+                        return
+                    process = subprocess.Popen(self.command(shard, device), env=env, stdout=log,
+                                               stderr=subprocess.STDOUT, cwd=REPO_ROOT, start_new_session=True)
                     self.running[shard.name] = process
                 code = process.wait()
                 with self.lock:
@@ -152,7 +154,10 @@ class Runner:
         self.stopping.set()
         with self.lock:
             for process in self.running.values():
-                os.killpg(process.pid, signal.SIGTERM)
+                try:
+                    os.killpg(process.pid, signal.SIGTERM)
+                except ProcessLookupError:  # it had just finished
+                    pass
 
     def run(self) -> None:
         threads = [threading.Thread(target=self.worker, args=(device,), daemon=True) for device in self.args.devices]
