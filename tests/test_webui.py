@@ -179,6 +179,8 @@ def test_chat_in_a_real_browser(engine, app_url, tmp_path):
         # A message longer than the context window: a notice in the chat, the text back in the box.
         too_long = " ".join(["word"] * (engine.context_window + 10))
         page.locator("#message textarea").fill(too_long)
+        expect(page.locator("#message textarea")).to_have_value(too_long)
+        page.wait_for_timeout(1000)  # let the page hand a 40 KB value to gradio before the click reads it
         page.locator("#send").click()
         expect(page.locator("#chat")).to_contain_text("context window", timeout=60_000)
         expect(page.locator("#message textarea")).to_have_value(too_long, timeout=10_000)
