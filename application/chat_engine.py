@@ -97,10 +97,10 @@ class ChatEngine:
             if step.step > 0 and tokens:
                 update.steps = step.step
             self._extend(update, tokens, guessed)
+            update.finish_reason = step.finish_reason[0]
             update.wall_time_s = time.perf_counter() - start
             yield update
         update.finished = True
-        update.finish_reason = self._finish_reason(update, ids, max_new_tokens)
         yield update
 
     def reply(self, messages: list[dict], **kwargs) -> ReplyUpdate:
@@ -125,8 +125,3 @@ class ChatEngine:
         update.pieces.extend((text, flag) for text, flag in pieces if text)
         if not update.text.startswith(before):  # an earlier partial character was completed: rebuild
             update.pieces = [(update.text, False)]
-
-    def _finish_reason(self, update: ReplyUpdate, ids: list[int], max_new_tokens: int) -> str:
-        if update.token_ids and update.token_ids[-1] in self.decoder.eos_token_ids:
-            return "eos"
-        return "length" if len(ids) + max_new_tokens <= self.context_window else "max_length"

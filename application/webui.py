@@ -91,8 +91,6 @@ def build_demo(engine: ChatEngine, max_new_tokens: int = 512, title: str | None 
                       "content": f"{error}. Shorten the message or clear the chat; your text is back in the box."}
             yield (history[:-1] + [notice], "Nothing generated: the conversation is longer than the context window.",
                    gr.update(), message_text(history[-1]["content"]))
-        except EmptyMessageError:
-            yield history[:-1], EMPTY_HINT, gr.update(), gr.update()
 
     def regenerate_prepare(history: list[dict]):
         while history and history[-1]["role"] == "assistant":

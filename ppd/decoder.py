@@ -40,6 +40,7 @@ class StepOutput:
     tokens: list[list[int]]  # empty for a row that had already finished
     guessed: list[int]  # how many leading tokens of ``tokens`` were accepted guesses
     finished: list[bool]
+    finish_reason: list[str | None] = field(default_factory=list)  # "eos" | "length" | "max_length" once finished
 
 
 @dataclass
@@ -217,7 +218,8 @@ class Decoder:
         for state in self._run([list(input_ids)], config):
             tokens = state.tokens[0][seen:]
             seen += len(tokens)
-            yield StepOutput(state.current_step, [tokens], [state.current_guessed[0]], state.finished())
+            yield StepOutput(state.current_step, [tokens], [state.current_guessed[0]], state.finished(),
+                             list(state.reason))
 
     # ------------------------------------------------------------------ the loop
     def _run(self, batch: list[list[int]], config: DecodeConfig) -> Iterator["_Batch"]:

@@ -91,6 +91,7 @@ def test_stream_yields_the_same_tokens_as_generate():
     streamed = [t for step in steps for t in step.tokens[0]]
     assert streamed == decoder.generate([4, 5, 6], config).token_ids
     assert steps[0].step == 0 and steps[-1].finished == [True]
+    assert steps[0].finish_reason == [None] and steps[-1].finish_reason == ["length"]
     assert all(step.guessed[0] < max(len(step.tokens[0]), 1) for step in steps)
 
 
