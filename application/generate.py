@@ -16,7 +16,7 @@ import json
 import sys
 
 from ppd.chat import chat_input_ids, plain_input_ids
-from ppd.cli import add_adapter_args, add_decode_args, add_model_args, decode_config, load_decoder
+from ppd.cli import add_adapter_args, add_decode_args, add_engine_args, add_model_args, decode_config, load_decoder
 from ppd.decoder import PromptTooLongError
 
 
@@ -24,6 +24,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m application.generate", description=__doc__.split("\n")[0])
     add_model_args(parser)
     add_adapter_args(parser)
+    add_engine_args(parser)
     add_decode_args(parser)
     parser.add_argument("--prompt", required=True, help="the user message")
     parser.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ppd.cli import add_adapter_args, add_model_args, load_decoder
+from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_decoder
 from ppd.decoder import PromptTooLongError
 
 from .chat_engine import ChatEngine, EmptyMessageError, ReplyUpdate, message_text
@@ -33,6 +33,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m application.webui", description=__doc__.split("\n")[0])
     add_model_args(parser)
     add_adapter_args(parser)
+    add_engine_args(parser)
     parser.add_argument("--ppd-path", "--ppd_path", dest="adapter", default=argparse.SUPPRESS,
                         help="the reference app's name for --adapter")
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default: this machine only)")

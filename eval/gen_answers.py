@@ -5,11 +5,17 @@ Usage:
         [--adapter DIR] [--tree FILE] [--temperature 0] [--max_new_tokens N] [--offset S] [--limit K] \\
         [--num_runs R] --output results/answers/mt_bench-ppd.jsonl
 
-Methods: ``ppd`` (prompt tokens + tree), ``baseline`` (the same engine, one token per step), ``hf``
-(transformers ``generate``) and ``pld`` (transformers prompt lookup, ``prompt_lookup_num_tokens``).
-MT-Bench runs both turns, the second after the model's own first answer. ``--warmup`` untimed
-generations of the first prompt come first. One JSON line per question, turn and run, appended as it
-is made: a run started again with the same ``--output`` skips what is already there.
+Methods: ``ppd`` (prompt tokens + tree), ``baseline`` (the same engine, one token per step),
+``hf_static`` (transformers ``generate`` with ``cache_implementation="static"``, which compiles the
+decoding forward), ``hf`` (transformers ``generate``, eager) and ``pld`` (transformers prompt lookup,
+``prompt_lookup_num_tokens``). MT-Bench runs both turns, the second after the model's own first answer.
+
+Nothing compiles or captures inside the timed region: ``ppd`` and ``baseline`` compile and capture their
+steps for every attention width first (``Decoder.warmup``; the seconds are recorded as ``startup_s``),
+and every method then runs ``--warmup`` untimed generations of the first prompt. ``hf_static`` also warms
+up on a prompt twice as long, so that torch has made the cache length dynamic before timing (transformers
+grows its static cache to the longest request seen). One JSON line per question, turn and run, appended as
+it is made: a run started again with the same ``--output`` skips what is already there.
 """
 
 from __future__ import annotations
@@ -24,14 +30,15 @@ import torch
 from tqdm.auto import tqdm
 
 from ppd.chat import chat_input_ids, plain_input_ids
-from ppd.cli import add_adapter_args, add_model_args, load_decoder
+from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_decoder
 from ppd.config import DecodeConfig
 from ppd.decoder import eos_ids_of
 
 from .benchmarks import BENCHMARKS, DEFAULT_MAX_NEW_TOKENS, RAW_PROMPT, load_benchmark
 from .records import environment
 
-METHODS = ("ppd", "baseline", "hf", "pld")
+METHODS = ("ppd", "baseline", "hf_static", "hf", "pld")
+ENGINE_METHODS = ("ppd", "baseline")  # decoded by ppd's engine; the others by transformers' generate
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -40,6 +47,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--method", required=True, choices=METHODS)
     add_model_args(parser)
     add_adapter_args(parser)
+    add_engine_args(parser)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--max_new_tokens", type=int, default=None, help="default: 1024 (512 for humaneval)")
     parser.add_argument("--offset", type=int, default=0, help="skip the first S questions (for shards)")
@@ -71,18 +79,27 @@ class Answerer:
         self.adapter, self.tree = loaded.adapter, loaded.tree
         self.device = self.model.get_input_embeddings().weight.device
         self.eos = sorted(eos_ids_of(self.model, self.tokenizer))
-        self.counter = ForwardCounter(self.model) if args.method in ("hf", "pld") else None
+        self.counter = ForwardCounter(self.model) if args.method not in ENGINE_METHODS else None
         self.environment = environment(self.device)
+        self.startup_s = 0.0
 
     def _sync(self):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def start(self) -> None:
+        """Compile and capture ppd's steps before anything is timed."""
+        if self.args.method in ENGINE_METHODS:
+            start = time.perf_counter()
+            self.decoder.warmup(methods=[self.args.method], capture=self.args.capture,
+                                greedy=self.args.temperature == 0)
+            self.startup_s = time.perf_counter() - start
+
     def answer(self, ids: list[int], max_new_tokens: int) -> dict:
         args = self.args
-        if args.method in ("ppd", "baseline"):
+        if args.method in ENGINE_METHODS:
             config = DecodeConfig(method=args.method, max_new_tokens=max_new_tokens, temperature=args.temperature,
-                                  seed=args.seed)
+                                  seed=args.seed, capture=args.capture)
             out = self.decoder.generate(ids, config)
             return {"token_ids": out.token_ids, "steps": out.steps, "wall_time_s": out.wall_time_s,
                     "finish_reason": out.finish_reason}
@@ -96,8 +113,11 @@ class Answerer:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         if args.method == "pld":
             kwargs["prompt_lookup_num_tokens"] = args.prompt_lookup_num_tokens
+        if args.method == "hf_static":
+            kwargs["cache_implementation"] = "static"
         self._sync()
         self.counter.count = 0
+        graphs = _compiled_graphs()
         start = time.perf_counter()
         out = self.model.generate(inputs, attention_mask=torch.ones_like(inputs), **kwargs)
         self._sync()
@@ -106,12 +126,19 @@ class Answerer:
         finish = "eos" if tokens and tokens[-1] in self.eos else "length"
         # The first forward is the prefill; every later one is a decoding step.
         return {"token_ids": tokens, "steps": max(1, self.counter.count - 1), "wall_time_s": wall,
-                "finish_reason": finish}
+                "finish_reason": finish, "compiled_graphs": _compiled_graphs() - graphs}
 
     def prompt_ids(self, bench: str, messages: list[dict]) -> list[int]:
         if bench in RAW_PROMPT:
             return plain_input_ids(self.tokenizer, messages[-1]["content"])
         return chat_input_ids(self.tokenizer, messages)
+
+
+def _compiled_graphs() -> int:
+    """Graphs torch.compile has made so far in this process (a timed answer that compiles says so)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def _done(path: Path) -> dict[tuple[str, int, int], dict]:
@@ -150,9 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     done = _done(output)
     answerer = Answerer(args)
 
+    answerer.start()
     first = answerer.prompt_ids(args.bench, [{"role": "user", "content": questions[0].turns[0]}])
     for _ in range(args.warmup):
         answerer.answer(first, min(max_new_tokens, 64))
+    if args.method == "hf_static" and args.warmup:
+        answerer.answer(first + first, max_new_tokens)
 
     total_turns = sum(len(q.turns) for q in questions) * args.num_runs
     new_tokens = steps = 0
@@ -172,7 +202,10 @@ def main(argv: list[str] | None = None) -> int:
                         record = {
                             "bench": args.bench, "question_id": question.question_id, "turn": turn, "run": run,
                             "method": args.method, "model": args.model, "adapter": answerer.adapter,
-                            "tree": answerer.tree, "temperature": args.temperature, "max_new_tokens": max_new_tokens,
+                            "tree": answerer.tree, "dtype": str(answerer.model.dtype).removeprefix("torch."),
+                            "capture": args.capture if args.method in ENGINE_METHODS else None,
+                            "startup_s": answerer.startup_s,
+                            "temperature": args.temperature, "max_new_tokens": max_new_tokens,
                             "prompt_tokens": len(ids), "new_tokens": len(result["token_ids"]),
                             **result,
                             "text": answerer.tokenizer.decode(result["token_ids"], skip_special_tokens=True),

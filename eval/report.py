@@ -3,10 +3,11 @@
 Usage:
     python -m eval.report results/answers/*.jsonl --output_dir results/report
 
-Per benchmark and method: answers, tokens/s (sum of new tokens / sum of wall time), accept length (new
-tokens / decoding steps), speed-up over ``baseline``, ``hf`` and ``pld`` on the same benchmark, the share of
-answers token-identical to the baseline's (same question, turn and run), HumanEval pass@1 (every
-completion run against its tests in its own process, with a time limit) and GSM8K accuracy.
+Per benchmark, dtype and method: answers, tokens/s (sum of new tokens / sum of wall time), accept length
+(new tokens / decoding steps), speed-up over ``hf_static`` (the strongest transformers baseline),
+``baseline``, ``hf`` and ``pld`` on the same benchmark in the same dtype, the share of answers
+token-identical to the baseline's (same question, turn and run), HumanEval pass@1 (every completion run
+against its tests in its own process, with a time limit) and GSM8K accuracy.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from .benchmarks import load_benchmark
 from .grading import gsm8k_correct, humaneval_completion, humaneval_passes
 from .records import write_json
 
-METHOD_ORDER = ("baseline", "hf", "pld", "ppd")
-SPEEDUP_REFERENCES = ("baseline", "hf", "pld")
+METHOD_ORDER = ("hf", "pld", "hf_static", "baseline", "ppd")
+SPEEDUP_REFERENCES = ("hf_static", "baseline", "hf", "pld")
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -50,6 +51,11 @@ def _key(record: dict) -> tuple:
     return record["question_id"], record["turn"], record.get("run", 0)
 
 
+def _dtype(record: dict) -> str:
+    """Records of runs before dtypes were recorded say nothing: they form their own group ("-")."""
+    return record.get("dtype") or "-"
+
+
 def quality(bench: str, records: list[dict], timeout_s: float) -> float | None:
     """HumanEval pass@1 or GSM8K accuracy of these answers (first runs only); None for other benchmarks."""
     if bench not in ("humaneval", "gsm8k"):
@@ -71,31 +77,33 @@ def quality(bench: str, records: list[dict], timeout_s: float) -> float | None:
 
 
 def summarise(records: list[dict], timeout_s: float = 10.0) -> list[dict]:
-    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    groups: dict[tuple[str, str, str], list[dict]] = defaultdict(list)
     for record in records:
-        groups[(record["bench"], record["method"])].append(record)
+        groups[(record["bench"], _dtype(record), record["method"])].append(record)
     rows = []
-    for (bench, method), group in groups.items():
+    for (bench, dtype, method), group in groups.items():
         tokens = sum(r["new_tokens"] for r in group)
         wall = sum(r["wall_time_s"] for r in group)
         steps = sum(r["steps"] for r in group)
-        rows.append({"bench": bench, "method": method, "answers": len(group), "new_tokens": tokens,
+        rows.append({"bench": bench, "dtype": dtype, "method": method, "answers": len(group), "new_tokens": tokens,
                      "wall_time_s": wall, "tokens_per_s": tokens / wall if wall else None,
                      "accept_length": tokens / steps if steps else None,
+                     "startup_s": max((r.get("startup_s") or 0.0) for r in group),
                      "quality": quality(bench, group, timeout_s)})
     for row in rows:
-        same_bench = {r["method"]: r for r in rows if r["bench"] == row["bench"]}
+        setting = (row["bench"], row["dtype"])
+        same = {r["method"]: r for r in rows if (r["bench"], r["dtype"]) == setting}
         for reference in SPEEDUP_REFERENCES:
-            other = same_bench.get(reference)
+            other = same.get(reference)
             row[f"speedup_vs_{reference}"] = (row["tokens_per_s"] / other["tokens_per_s"]
                                               if other and other["tokens_per_s"] and row["tokens_per_s"] else None)
-        baseline = {_key(r): r["token_ids"] for r in groups.get((row["bench"], "baseline"), [])}
-        mine = [r for r in groups[(row["bench"], row["method"])] if _key(r) in baseline]
+        baseline = {_key(r): r["token_ids"] for r in groups.get((*setting, "baseline"), [])}
+        mine = [r for r in groups[(*setting, row["method"])] if _key(r) in baseline]
         row["identical_to_baseline"] = (sum(r["token_ids"] == baseline[_key(r)] for r in mine) / len(mine)
                                         if mine else None)
         row["compared_with_baseline"] = len(mine)
     order = {m: i for i, m in enumerate(METHOD_ORDER)}
-    return sorted(rows, key=lambda r: (r["bench"], order.get(r["method"], len(order)), r["method"]))
+    return sorted(rows, key=lambda r: (r["bench"], r["dtype"], order.get(r["method"], len(order)), r["method"]))
 
 
 def _fmt(value, pattern: str) -> str:
@@ -103,12 +111,13 @@ def _fmt(value, pattern: str) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| benchmark | method | answers | tokens/s | accept length | vs baseline | vs hf | vs pld "
-             "| identical to baseline | pass@1 / accuracy |", "|---|---|---|---|---|---|---|---|---|---|"]
+    vs = " | ".join(f"vs {m}" for m in SPEEDUP_REFERENCES)
+    lines = [f"| benchmark | dtype | method | answers | tokens/s | accept length | {vs} "
+             "| identical to baseline | pass@1 / accuracy |", "|" + "---|" * (8 + len(SPEEDUP_REFERENCES))]
     for r in rows:
         speedups = " | ".join(_fmt(r[f"speedup_vs_{m}"], "{:.2f}x") for m in SPEEDUP_REFERENCES)
         lines.append(
-            f"| {r['bench']} | {r['method']} | {r['answers']} | {_fmt(r['tokens_per_s'], '{:.1f}')} | "
+            f"| {r['bench']} | {r['dtype']} | {r['method']} | {r['answers']} | {_fmt(r['tokens_per_s'], '{:.1f}')} | "
             f"{_fmt(r['accept_length'], '{:.2f}')} | {speedups} | {_fmt(r['identical_to_baseline'], '{:.1%}')} | "
             f"{_fmt(r['quality'], '{:.1%}')} |")
     return "\n".join(lines) + "\n"
@@ -120,16 +129,17 @@ def chart(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    benches = sorted({r["bench"] for r in rows})
+    settings = sorted({(r["bench"], r["dtype"]) for r in rows})
     methods = [m for m in METHOD_ORDER if any(r["method"] == m for r in rows)]
     methods += sorted({r["method"] for r in rows} - set(methods))
     width = 0.8 / max(1, len(methods))
-    fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(benches), 3.6))
+    fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(settings), 3.6))
     for i, method in enumerate(methods):
-        values = [next((r["tokens_per_s"] or 0 for r in rows if r["bench"] == b and r["method"] == method), 0)
-                  for b in benches]
-        ax.bar([x + i * width for x in range(len(benches))], values, width, label=method)
-    ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(benches))], benches)
+        values = [next((r["tokens_per_s"] or 0 for r in rows if (r["bench"], r["dtype"]) == s and r["method"] == method),
+                       0) for s in settings]
+        ax.bar([x + i * width for x in range(len(settings))], values, width, label=method)
+    labels = [bench if dtype == "-" else f"{bench}\n{dtype}" for bench, dtype in settings]
+    ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(settings))], labels)
     ax.set_ylabel("tokens / s")
     ax.legend(frameon=False)
     fig.tight_layout()

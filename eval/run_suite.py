@@ -1,14 +1,15 @@
 """Run a grid of ``eval.gen_answers`` jobs (benchmarks x methods, in shards) over the devices at hand.
 
 Usage:
-    python -m eval.run_suite --benches mt_bench humaneval gsm8k alpaca_eval --methods baseline hf pld ppd \\
+    python -m eval.run_suite --benches mt_bench humaneval gsm8k alpaca_eval \\
+        --methods hf_static baseline ppd --dtypes float32 bfloat16 \\
         --limit gsm8k=100 alpaca_eval=100 --max_new_tokens 256 --shard_size 40 --devices 0 1 2 3 \\
-        --output_dir results/eval/h200 [--deadline_s 560] [-- any further gen_answers flags, e.g. --dtype float32]
+        --output_dir results/eval/h200 [--deadline_s 560] [-- any further gen_answers flags]
 
 Every shard is one ``gen_answers`` process on one device (``CUDA_VISIBLE_DEVICES``), one device at a time,
-so no two timed runs share a GPU. Each shard writes ``{bench}-{method}-{offset}.jsonl`` and logs to
-``logs/``. The queue visits the shards of a benchmark with every method side by side, so a run cut
-short leaves comparable partial results. ``--deadline_s`` stops the run at that time: running shards
+so no two timed runs share a GPU. Each shard writes ``{bench}-{method}[-{dtype}]-{offset}.jsonl`` and logs
+to ``logs/``. The queue visits the shards of a benchmark with every dtype and method side by side, so a
+run cut short leaves comparable partial results. ``--deadline_s`` stops the run at that time: running shards
 are ended and, like every shard, resume where they stopped when the same command is run again (a
 shard that is complete is skipped). The exit status is 0 once every shard is complete, 3 otherwise.
 """
@@ -41,16 +42,19 @@ class Shard:
     offset: int
     count: int
     answers: int  # expected JSON lines: questions x turns x runs
+    dtype: str | None = None  # None: whatever the extra gen_answers flags say
 
     @property
     def name(self) -> str:
-        return f"{self.bench}-{self.method}-{self.offset:04d}"
+        dtype = f"-{self.dtype}" if self.dtype else ""
+        return f"{self.bench}-{self.method}{dtype}-{self.offset:04d}"
 
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m eval.run_suite", description=__doc__.split("\n")[0])
     parser.add_argument("--benches", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS))
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--dtypes", nargs="+", default=None, help="run the grid in each of these dtypes")
     parser.add_argument("--limit", nargs="*", default=[], metavar="BENCH=K",
                         help="answer only the first K questions of BENCH")
     parser.add_argument("--max_new_tokens", type=int, default=None, help="default: gen_answers' per benchmark")
@@ -75,8 +79,9 @@ def _limits(items: list[str]) -> dict[str, int]:
 
 
 def plan(benches: list[str], methods: list[str], limits: dict[str, int], shard_size: int,
-         num_runs: int) -> list[Shard]:
-    """Shards in queue order: per benchmark, each span of questions with every method before the next span."""
+         num_runs: int, dtypes: list[str] | None = None) -> list[Shard]:
+    """Shards in queue order: per benchmark, each span of questions with every dtype and method before the
+    next span."""
     shards = []
     for bench in benches:
         questions = load_benchmark(bench)[: limits.get(bench)]
@@ -84,7 +89,8 @@ def plan(benches: list[str], methods: list[str], limits: dict[str, int], shard_s
         bounds = [round(i * len(questions) / pieces) for i in range(pieces + 1)]
         for start, end in zip(bounds, bounds[1:]):
             answers = sum(len(q.turns) for q in questions[start:end]) * num_runs
-            shards.extend(Shard(bench, method, start, end - start, answers) for method in methods)
+            shards.extend(Shard(bench, method, start, end - start, answers, dtype)
+                          for dtype in dtypes or [None] for method in methods)
     return shards
 
 
@@ -123,6 +129,8 @@ class Runner:
             cmd += ["--max_new_tokens", str(self.args.max_new_tokens)]
         if device == "cpu":
             cmd += ["--device", "cpu"]
+        if shard.dtype:
+            cmd += ["--dtype", shard.dtype]
         return cmd + self.extra
 
     def worker(self, device: str) -> None:
@@ -187,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--shard_size and --num_runs must be >= 1")
     if "cpu" in args.devices and len(args.devices) > 1:
         parser.error("--devices cpu runs alone: one CPU job at a time keeps the timings honest")
-    shards = plan(args.benches, args.methods, limits, args.shard_size, args.num_runs)
+    shards = plan(args.benches, args.methods, limits, args.shard_size, args.num_runs, args.dtypes)
     runner = Runner(args, extra, shards)
     print(f"{runner.todo.qsize()} of {len(shards)} shards to run on {len(args.devices)} device(s)", flush=True)
     runner.run()

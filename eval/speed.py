@@ -1,10 +1,13 @@
 """Tokens/s and accept length of PPD, the engine's autoregressive baseline and transformers' generate.
 
 Usage:
-    python -m eval.speed --model smollm2-135m-instruct --methods ppd baseline hf \
+    python -m eval.speed --model smollm2-135m-instruct --methods ppd baseline hf_static hf \
         --max_new_tokens 128 --output results/speed_cpu.json [--prompt TEXT ...] [--repeats 1]
 
-Each prompt is wrapped in the model's chat template. One warm-up generation per method runs first.
+Each prompt is wrapped in the model's chat template. ``hf_static`` is transformers' ``generate`` with
+``cache_implementation="static"`` (it compiles the decoding forward); ``hf`` the eager one. Engine
+methods compile and capture their steps first; every method then runs two untimed warm-up generations
+(for ``hf_static`` one of them twice as long, see ``eval.gen_answers``).
 Writes the per-prompt records and a summary to ``--output`` (JSON) and prints a markdown table; greedy
 outputs of every method are compared with the baseline's.
 """
@@ -18,7 +21,7 @@ import time
 import torch
 
 from ppd.chat import chat_input_ids
-from ppd.cli import add_adapter_args, add_model_args, load_decoder
+from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_decoder
 from ppd.config import DecodeConfig
 
 from .records import environment, write_json
@@ -34,7 +37,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m eval.speed", description=__doc__.split("\n")[0])
     add_model_args(parser)
     add_adapter_args(parser)
-    parser.add_argument("--methods", nargs="+", default=["ppd", "baseline", "hf"], choices=["ppd", "baseline", "hf"])
+    add_engine_args(parser)
+    parser.add_argument("--methods", nargs="+", default=["ppd", "baseline", "hf_static", "hf"],
+                        choices=["ppd", "baseline", "hf_static", "hf"])
     parser.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
     parser.add_argument("--max_new_tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and method")
@@ -42,12 +47,13 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _hf_generate(model, ids: list[int], max_new_tokens: int) -> tuple[list[int], float]:
+def _hf_generate(model, ids: list[int], max_new_tokens: int, static: bool) -> tuple[list[int], float]:
     device = model.get_input_embeddings().weight.device
     inputs = torch.tensor([ids], device=device)
+    extra = {"cache_implementation": "static"} if static else {}
     start = time.perf_counter()
     out = model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=max_new_tokens,
-                         do_sample=False)
+                         do_sample=False, **extra)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return out[0, len(ids):].tolist(), time.perf_counter() - start
@@ -58,17 +64,23 @@ def run(args: argparse.Namespace) -> dict:
     prompts = args.prompt or DEFAULT_PROMPTS
     inputs = [chat_input_ids(loaded.tokenizer, [{"role": "user", "content": p}]) for p in prompts]
     records = []
+    startup = {}
     for method in args.methods:
-        config = DecodeConfig(method="baseline" if method == "hf" else method, max_new_tokens=args.max_new_tokens)
+        engine = method in ("ppd", "baseline")
+        config = DecodeConfig(method=method if engine else "baseline", max_new_tokens=args.max_new_tokens,
+                              capture=args.capture)
 
         def once(ids):
-            if method == "hf":
-                tokens, wall = _hf_generate(loaded.model, ids, args.max_new_tokens)
+            if not engine:
+                tokens, wall = _hf_generate(loaded.model, ids, args.max_new_tokens, static=method == "hf_static")
                 return tokens, None, wall
             out = loaded.decoder.generate(ids, config)
             return out.token_ids, out.steps, out.wall_time_s
 
-        once(inputs[0][:32] if len(inputs[0]) > 32 else inputs[0])  # warm-up
+        if engine:
+            startup[method] = loaded.decoder.warmup(methods=[method], capture=args.capture)
+        once(inputs[0])  # warm-up
+        once(inputs[0] + inputs[0])
         for index, ids in enumerate(inputs):
             for repeat in range(args.repeats):
                 tokens, steps, wall = once(ids)
@@ -89,7 +101,7 @@ def run(args: argparse.Namespace) -> dict:
         }
     return {
         "model": loaded.info.model_id, "adapter": loaded.adapter, "tree": loaded.tree,
-        "max_new_tokens": args.max_new_tokens,
+        "max_new_tokens": args.max_new_tokens, "capture": args.capture, "startup_s": startup,
         "dtype": str(loaded.decoder.dtype), **environment(loaded.decoder.device),
         "prompts": prompts, "summary": summary, "records": records,
     }

@@ -70,17 +70,19 @@ def prefill_layout(
     return allowed, positions
 
 
-def step_mask(tree_allowed: torch.Tensor, lengths: torch.Tensor, kv_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """Float mask [B, 1, T, kv_len] for T new rows written at ``[L_b, L_b + T)`` of each row's cache.
+def step_mask(tree_allowed: torch.Tensor, lengths: torch.Tensor, slot_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Float mask [B, 1, T, W] for T new rows written at ``[L_b, L_b + T)`` of each row's cache.
 
-    Every new row sees the committed prefix ``[0, L_b)``; among themselves they follow ``tree_allowed``
-    (bool [T, T]); cache slots past ``L_b + T`` (stale entries of earlier steps) are hidden.
+    ``tree_allowed`` is bool [T, T] or, one tree per batch row, [B, T, T]; ``slot_ids`` long [W] are the
+    cache slots attention sees (``0..W-1``). Every new row sees the committed prefix ``[0, L_b)``; among
+    themselves the rows follow ``tree_allowed``; stale slots past ``L_b + T`` are hidden. The tree part is
+    fixed per tree, the prefix part comes from the lengths alone.
     """
-    num_rows = tree_allowed.shape[0]
-    key = torch.arange(kv_len, device=lengths.device)
-    rel = key[None, :] - lengths[:, None]  # [B, kv]
+    batch, num_rows, width = lengths.shape[0], tree_allowed.shape[-1], slot_ids.shape[0]
+    rel = slot_ids[None, :] - lengths[:, None]  # [B, W]
     in_prefix = rel < 0
     in_tree = (rel >= 0) & (rel < num_rows)
-    tree_part = tree_allowed[:, rel.clamp(0, num_rows - 1)].permute(1, 0, 2)  # [B, T, kv]
+    columns = rel.clamp(0, num_rows - 1)[:, None, :].expand(batch, num_rows, width)
+    tree_part = tree_allowed.expand(batch, num_rows, num_rows).gather(2, columns)  # [B, T, W]
     allowed = in_prefix[:, None, :] | (in_tree[:, None, :] & tree_part)
     return to_additive(allowed[:, None], dtype)

@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import DecodeConfig, PromptTokenConfig
+from .config import CaptureMode, DecodeConfig, PromptTokenConfig
 from .decoder import Decoder, eos_ids_of
 from .models import DEFAULT_MODEL, ModelInfo, load_model
 from .prompt_tokens import PromptTokens, packaged_adapter
@@ -40,6 +40,16 @@ def add_adapter_args(parser: argparse.ArgumentParser) -> None:
                                                       "type if it ships one, else the packaged default.json)")
 
 
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument("--capture", choices=[m.value for m in CaptureMode], default="auto",
+                       help="how the decoding step runs: auto (captured and compiled on CUDA, eager on CPU), eager, "
+                            "graph, compile, compiled_graph, reduce_overhead (default: %(default)s)")
+    group.add_argument("--max_seq_len", type=int, default=None,
+                       help="tokens (prompt and answer) the decoder's cache holds per row "
+                            "(default: the context window, at most 8192)")
+
+
 def add_decode_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("decoding")
     group.add_argument("--method", choices=["ppd", "baseline"], default="ppd")
@@ -55,6 +65,7 @@ def decode_config(args: argparse.Namespace) -> DecodeConfig:
     return DecodeConfig(
         method=args.method, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
         posterior_threshold=args.posterior_threshold, posterior_alpha=args.posterior_alpha, seed=args.seed,
+        capture=getattr(args, "capture", "auto"),
     )
 
 
@@ -91,12 +102,14 @@ def load_decoder(args: argparse.Namespace, with_prompt_tokens: bool = True) -> L
     prompt_tokens, source, adapter_dir, trees, tree_source = None, "none", None, None, "none"
     if with_prompt_tokens:
         prompt_tokens, source, adapter_dir = load_prompt_tokens(model, tokenizer, info, getattr(args, "adapter", None))
-        device_type = model.get_input_embeddings().weight.device.type
+        weight = model.get_input_embeddings().weight
+        device_type, dtype = weight.device.type, str(weight.dtype).removeprefix("torch.")
         if getattr(args, "tree", None):
             trees, tree_source = TreeSet.load(args.tree), str(args.tree)
-        elif adapter_dir is not None and (trees := TreeSet.for_adapter(adapter_dir, device_type)) is not None:
-            tree_source = f"{source}:tree_{device_type}.json"
+        elif adapter_dir is not None and (path := TreeSet.adapter_file(adapter_dir, device_type, dtype)) is not None:
+            trees, tree_source = TreeSet.load(path), f"{source}:{path.name}"
         else:
             tree_source = "packaged:default.json"
-    decoder = Decoder(model, prompt_tokens, trees, eos_token_ids=eos_ids_of(model, tokenizer))
+    decoder = Decoder(model, prompt_tokens, trees, eos_token_ids=eos_ids_of(model, tokenizer),
+                      max_seq_len=getattr(args, "max_seq_len", None))
     return Loaded(model, tokenizer, info, decoder, source, tree_source)

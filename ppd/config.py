@@ -32,6 +32,24 @@ class DecodeMethod(str, enum.Enum):
     BASELINE = "baseline"
 
 
+class CaptureMode(str, enum.Enum):
+    """How the decoding step runs (``ppd.decoding.graphs``).
+
+    ``eager``: plain PyTorch, one kernel launch at a time. ``graph``: the eager step captured once in a
+    CUDA graph and replayed. ``compile``: the step compiled by ``torch.compile`` (fused kernels, launched one
+    by one). ``compiled_graph``: the compiled step captured in a CUDA graph. ``reduce_overhead``:
+    ``torch.compile(mode="reduce-overhead")``, whose CUDA graphs torch manages. ``auto``: the fastest
+    measured for the device (``compiled_graph`` on CUDA, ``eager`` on CPU).
+    """
+
+    AUTO = "auto"
+    EAGER = "eager"
+    GRAPH = "graph"
+    COMPILE = "compile"
+    COMPILED_GRAPH = "compiled_graph"
+    REDUCE_OVERHEAD = "reduce_overhead"
+
+
 @dataclass
 class PromptTokenConfig:
     num_prompt_tokens: int = field(default=3, metadata={"help": "N: prompt tokens appended after the input."})
@@ -87,13 +105,14 @@ class DecodeConfig:
     posterior_alpha: float = field(default=0.3, metadata={"help": "Typical acceptance: entropy-scaled threshold."})
     stop_on_eos: bool = field(default=True, metadata={"help": "Stop a sequence at the tokenizer's EOS ids."})
     seed: int | None = field(default=None, metadata={"help": "Seed of the sampling generator."})
-    static_kv: bool = field(
-        default=False,
-        metadata={"help": "Attend over the whole preallocated cache every step (fixed shapes, for CUDA graphs)."},
+    capture: CaptureMode = field(
+        default=CaptureMode.AUTO,
+        metadata={"help": "eager | graph | compile | compiled_graph | reduce_overhead | auto (see CaptureMode)"},
     )
 
     def __post_init__(self) -> None:
         self.method = DecodeMethod(self.method)
+        self.capture = CaptureMode(self.capture)
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature < 0:

@@ -140,15 +140,23 @@ class TreeSet:
         except (KeyError, TypeError) as err:
             raise ValueError(f"{path} is not a ppd tree file: missing or malformed {err}") from err
 
-    @classmethod
-    def for_adapter(cls, adapter_dir: str | Path, device_type: str) -> "TreeSet | None":
-        """The tree set an adapter ships for this kind of device (``tree_<device_type>.json``), if any.
+    @staticmethod
+    def adapter_file(adapter_dir: str | Path, device_type: str, dtype: str | None = None) -> Path | None:
+        """The file of the tree set an adapter ships for this device type and dtype, if any:
+        ``tree_<device_type>_<dtype>.json``, else ``tree_<device_type>.json``."""
+        names = ([f"tree_{device_type}_{dtype}.json"] if dtype else []) + [f"tree_{device_type}.json"]
+        return next((Path(adapter_dir) / n for n in names if (Path(adapter_dir) / n).is_file()), None)
 
-        Trees depend on the prompt tokens' accuracies and on how the device's forward cost grows with
-        rows, so an adapter may carry one per device type (``cpu``, ``cuda``).
+    @classmethod
+    def for_adapter(cls, adapter_dir: str | Path, device_type: str, dtype: str | None = None) -> "TreeSet | None":
+        """The tree set an adapter ships for this device type and dtype (see :meth:`adapter_file`), if any.
+
+        Trees depend on the prompt tokens' accuracies and on how a step's cost grows with its rows, which
+        differs by device and dtype, so an adapter may carry one per device type (``cpu``, ``cuda``) and
+        optionally per dtype (``tree_cuda_bfloat16.json``).
         """
-        path = Path(adapter_dir) / f"tree_{device_type}.json"
-        return cls.load(path) if path.is_file() else None
+        path = cls.adapter_file(adapter_dir, device_type, dtype)
+        return cls.load(path) if path is not None else None
 
     @classmethod
     def packaged(cls, name: str = DEFAULT_TREE_FILE) -> "TreeSet":

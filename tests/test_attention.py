@@ -62,11 +62,20 @@ def test_prefill_layout_shares_positions_across_copies():
 
 def test_step_mask_prefix_tree_and_stale_slots():
     tree = torch.tensor([[1, 0], [1, 1]], dtype=torch.bool)
-    mask = step_mask(tree, torch.tensor([2, 0]), kv_len=5, dtype=torch.float32)
+    mask = step_mask(tree, torch.tensor([2, 0]), torch.arange(5), dtype=torch.float32)
     allowed = (mask == 0)[:, 0].int().tolist()
     assert allowed[0] == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0]]
     assert allowed[1] == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0]]
     assert mask.min() == torch.finfo(torch.float32).min
+
+
+def test_step_mask_takes_one_tree_per_batch_row():
+    chain = torch.tensor([[1, 0], [1, 1]], dtype=torch.bool)
+    apart = torch.eye(2, dtype=torch.bool)
+    mask = step_mask(torch.stack([chain, apart]), torch.tensor([1, 1]), torch.arange(4), dtype=torch.float32)
+    allowed = (mask == 0)[:, 0].int().tolist()
+    assert allowed[0] == [[1, 1, 0, 0], [1, 1, 1, 0]]
+    assert allowed[1] == [[1, 1, 0, 0], [1, 0, 1, 0]]
 
 
 def test_to_additive_keeps_dtype():

@@ -75,6 +75,7 @@ def test_report_arithmetic_on_hand_made_records(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert report.main([str(path), "--output_dir", str(tmp_path / "out")]) == 0
     got = {(r["bench"], r["method"]): r for r in json.loads((tmp_path / "out" / "report.json").read_text())["rows"]}
+    assert {r["dtype"] for r in got.values()} == {"-"}  # records that name no dtype form one group
     ppd = got[("mt_bench", "ppd")]
     assert ppd["tokens_per_s"] == pytest.approx(30 / 1.5) and ppd["accept_length"] == pytest.approx(30 / 12)
     assert ppd["speedup_vs_baseline"] == pytest.approx(20 / 10) and ppd["speedup_vs_hf"] == pytest.approx(20 / 5)
@@ -83,7 +84,21 @@ def test_report_arithmetic_on_hand_made_records(tmp_path):
     # GSM8K question 0's answer is 18, question 1's is 3: one of two right.
     assert got[("gsm8k", "ppd")]["quality"] == pytest.approx(0.5)
     assert (tmp_path / "out" / "report.png").stat().st_size > 1000
-    assert "| mt_bench | ppd | 2 | 20.0 | 2.50 | 2.00x | 4.00x | - | 50.0% | - |" in (tmp_path / "out" / "report.md").read_text()
+    assert ("| mt_bench | - | ppd | 2 | 20.0 | 2.50 | - | 2.00x | 4.00x | - | 50.0% | - |"
+            in (tmp_path / "out" / "report.md").read_text())
+
+
+def test_report_compares_methods_within_each_dtype(tmp_path):
+    rows = [dict(_record("mt_bench", method, "1", 10, 10 if method != "ppd" else 5, wall, [1] * 10), dtype=dtype)
+            for dtype, walls in (("float32", (2.0, 1.0, 0.5)), ("bfloat16", (1.0, 1.0, 0.25)))
+            for method, wall in zip(("hf_static", "baseline", "ppd"), walls)]
+    path = tmp_path / "answers.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = {(r["dtype"], r["method"]): r for r in report.summarise(report.read_records([str(path)]))}
+    assert got[("float32", "ppd")]["speedup_vs_hf_static"] == pytest.approx(4.0)
+    assert got[("bfloat16", "ppd")]["speedup_vs_hf_static"] == pytest.approx(4.0)
+    assert got[("bfloat16", "ppd")]["speedup_vs_baseline"] == pytest.approx(4.0)
+    assert got[("float32", "baseline")]["speedup_vs_hf_static"] == pytest.approx(2.0)
 
 
 @pytest.mark.parametrize("method", ["ppd", "baseline", "hf", "pld"])
@@ -131,7 +146,7 @@ def test_accuracy_trees_and_hardware_aware_pick(tmp_path):
     shutil.copytree(packaged_adapter("HuggingFaceTB/SmolLM2-135M-Instruct"), adapter)
     (adapter / "tree_cpu.json").unlink()
     proc = run("eval.pick_tree", "--trees", str(tmp_path / "trees" / "tree_6.json"),
-               str(tmp_path / "trees" / "tree_12.json"), "--repeats", "2", "--output", str(tmp_path / "pick.json"),
+               str(tmp_path / "trees" / "tree_12.json"), "--steps", "4", "--output", str(tmp_path / "pick.json"),
                "--adapter", str(adapter), "--install")
     assert proc.returncode == 0, proc.stderr[-2000:]
     pick = json.loads((tmp_path / "pick.json").read_text())
@@ -140,7 +155,7 @@ def test_accuracy_trees_and_hardware_aware_pick(tmp_path):
     assert pick["picked"] == best["tree"]
     best_tree = max(pick["rows"][1:], key=lambda r: r["tokens_per_s"])["tree"]
     assert pick["best_tree"] == best_tree
-    assert (adapter / "tree_cpu.json").read_bytes() == Path(best_tree).read_bytes()
+    assert (adapter / "tree_cpu_float32.json").read_bytes() == Path(best_tree).read_bytes()
 
 
 def test_suite_stops_at_its_deadline_and_resumes_to_the_complete_grid(tmp_path):

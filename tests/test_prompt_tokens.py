@@ -82,3 +82,15 @@ def test_shipped_adapter_and_its_device_trees_are_used_by_default():
     loaded = load_decoder(args)
     assert loaded.adapter == "shipped:smollm2-135m-instruct" and loaded.tree.endswith("tree_cpu.json")
     assert loaded.decoder.trees == TreeSet.for_adapter(shipped, "cpu")
+
+
+def test_a_tree_for_the_dtype_comes_before_the_device_tree(tmp_path):
+    from ppd.tree import Tree, TreeSet
+
+    device_tree = TreeSet(1, 2, {1: Tree(((0,),), (1,), 1)})
+    bf16_tree = TreeSet(1, 2, {1: Tree(((0,), (1,)), (1, 1), 1)})
+    device_tree.save(tmp_path / "tree_cuda.json")
+    bf16_tree.save(tmp_path / "tree_cuda_bfloat16.json")
+    assert TreeSet.for_adapter(tmp_path, "cuda", "bfloat16") == bf16_tree
+    assert TreeSet.for_adapter(tmp_path, "cuda", "float32") == device_tree
+    assert TreeSet.for_adapter(tmp_path, "cuda") == device_tree

@@ -6,7 +6,8 @@ import torch
 
 from ppd import DecodeConfig, Decoder
 from ppd.attention import prefill_layout, to_additive
-from ppd.kv_cache import KVCache
+from ppd.decoding.loop import prefill
+from ppd.decoding.step import generate_candidates, tree_decoding
 from tests.conftest import random_prompt_tokens, random_tree_set, tiny_model
 
 
@@ -21,34 +22,38 @@ def sequential_logits(model, prompt_tokens, tokens: list[int], n_attached: int) 
     return out.logits[0]
 
 
-@pytest.mark.parametrize("arch,V,attention,seed", [
-    ("llama", 1, "ensemble", 0), ("llama", 2, "ensemble", 1), ("llama", 2, "decoder", 2),
-    ("llama", 3, "encoder", 3), ("qwen2", 2, "ensemble", 4), ("mistral", 1, "ensemble", 5),
+@pytest.mark.parametrize("arch,V,attention,seed,wide", [
+    ("llama", 1, "ensemble", 0, False), ("llama", 2, "ensemble", 1, True), ("llama", 2, "decoder", 2, False),
+    ("llama", 3, "encoder", 3, False), ("qwen2", 2, "ensemble", 4, True), ("mistral", 1, "ensemble", 5, False),
 ])
-def test_tree_forward_equals_per_path_forward(arch, V, attention, seed):
+def test_tree_forward_equals_per_path_forward(arch, V, attention, seed, wide):
+    """Every key's tree, padded to the tree set's common shape, read from the decoder's own device tables;
+    ``wide`` attends over the whole cache (stale and unused slots hidden by the mask alone)."""
     model = tiny_model(arch, seed=seed)
     pt = random_prompt_tokens(model, n=3, v=V, attention=attention, seed=seed)
     trees = random_tree_set(seed, size=10)
     decoder = Decoder(model, pt, trees)
+    tables = decoder.tables
     prompt = [(7 * i + seed) % model.config.vocab_size for i in range(9)]
-    config = DecodeConfig()
-    with torch.inference_mode():
+    state = decoder.states.acquire(1)
+    with torch.no_grad():
         for key in range(1, 4):
-            cache = KVCache(model.config.num_hidden_layers, 1, 128, "cpu")
-            root, guesses = decoder._prefill([prompt], cache, 3, config, None)
-            buffers = decoder.tree_buffers(key)
-            nodes = decoder._generate_candidates(buffers, key, root, guesses)
-            logits = decoder._tree_decoding(buffers, nodes, cache, len(prompt) + buffers.num_rows)[0]
+            state.reset(1, [64], [2], [], 0, 1.0, 1.0, 0.0, 0.0)
+            prefill(decoder, [prompt], state, True, DecodeConfig())
+            state.key.fill_(key)
+            rows = generate_candidates(decoder.lm, tables, decoder.prompt_embeds(), state)
+            width = state.capacity if wide else len(prompt) + tables.num_rows
+            logits = decoder.lm.logits(tree_decoding(decoder.lm, state, rows, state.slot_ids[:width]))[0]
 
             tree = trees.trees[key]
             order = sorted(range(len(tree.paths)), key=lambda i: (len(tree.paths[i]), tree.paths[i]))
             paths = [()] + [tree.paths[i] for i in order]
             row_of = {p: r for r, p in enumerate(paths)}
-            node_tokens = nodes[0].tolist()
+            node_tokens = rows.node_tokens[0].tolist()
             for row, path in enumerate(paths):
                 tokens = prompt + [node_tokens[row_of[path[:j]]] for j in range(len(path) + 1)]
-                n = int(buffers.node_prompt_count[row])
+                n = int(tables.node_prompt_count[key, row])
                 ref = sequential_logits(model, pt, tokens, n)
                 torch.testing.assert_close(logits[row], ref[len(tokens) - 1], rtol=1e-4, atol=1e-4)
-                prompt_rows = buffers.node_prompt_rows[row, : n * V].tolist()
+                prompt_rows = tables.node_prompt_rows[key, row, : n * V].tolist()
                 torch.testing.assert_close(logits[prompt_rows], ref[len(tokens):], rtol=1e-4, atol=1e-4)

@@ -1,0 +1,91 @@
+"""Time of one decoding step, as the engine runs it, for tree sets of any size and the one-row baseline.
+
+Usage:
+    python -m eval.step_latency --trees results/trees/h200/trees/tree_*.json [--baseline] \\
+        --context 300 --capture compiled_graph --dtype bfloat16 --output results/core/step_latency_h200.json
+
+Each measurement decodes a prompt of ``--context`` tokens with the decoder's own loop (the step compiled
+and captured as ``--capture`` says, the one host read-back per step included) and takes the time per
+step from two runs of different lengths, so the prefill drops out. Capturing (and compiling) happens
+in an untimed warm-up and its seconds are reported beside the step time. Writes JSON and a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_decoder
+from ppd.config import DecodeConfig
+from ppd.decoder import Decoder
+from ppd.tree import TreeSet
+
+from .records import environment, write_json
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m eval.step_latency", description=__doc__.split("\n")[0])
+    add_model_args(parser)
+    add_adapter_args(parser)
+    add_engine_args(parser)
+    parser.add_argument("--trees", nargs="*", default=[], help="tree-set JSON files to time (default: the adapter's)")
+    parser.add_argument("--baseline", action="store_true", help="also time the one-row autoregressive step")
+    parser.add_argument("--context", type=int, default=300, help="prompt tokens before the timed steps")
+    parser.add_argument("--steps", type=int, default=64, help="timed steps per measurement")
+    parser.add_argument("--output", default=None)
+    return parser
+
+
+def step_time(decoder: Decoder, method: str, context: int, steps: int, capture: str = "auto") -> dict:
+    """Seconds per step of ``method`` after ``context`` tokens, and seconds spent capturing (untimed)."""
+    vocab = decoder.model.config.vocab_size
+    prompt = [(31 * i + 7) % vocab for i in range(context)]
+
+    def run(n: int):
+        config = DecodeConfig(method=method, max_new_tokens=n, stop_on_eos=False, capture=capture)
+        start = time.perf_counter()
+        out = decoder.generate(prompt, config)
+        return time.perf_counter() - start, out.steps
+
+    captured = decoder.captures[:]
+    start = time.perf_counter()
+    run(steps * 4)  # warm-up: compiles and captures every width the timed runs reach
+    warmup = time.perf_counter() - start
+    short_s, short_steps = run(steps // 4 + 1)
+    long_s, long_steps = run(steps * 2)
+    per_step = (long_s - short_s) / max(long_steps - short_steps, 1)
+    new = [c for c in decoder.captures if c not in captured]
+    return {"method": method, "rows": decoder.tables.num_rows if method == "ppd" else 1,
+            "step_ms": 1e3 * per_step, "warmup_s": warmup, "captures": len(new),
+            "capture_s": sum(c.seconds for c in new)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    loaded = load_decoder(args)
+    decoder = loaded.decoder
+    results = []
+    with torch.no_grad():
+        if args.baseline:
+            results.append({"tree": "baseline (1 row)", **step_time(decoder, "baseline", args.context, args.steps,
+                                                                    args.capture)})
+        for name in args.trees or [None]:
+            if name is not None:
+                decoder = Decoder(loaded.model, decoder.prompt_tokens, TreeSet.load(name), decoder.eos_token_ids,
+                                  max_seq_len=args.max_seq_len)
+            results.append({"tree": name or loaded.tree, **step_time(decoder, "ppd", args.context, args.steps,
+                                                                     args.capture)})
+    print("| tree | rows | step ms | capture s |\n|---|---|---|---|")
+    for r in results:
+        print(f"| {r['tree']} | {r['rows']} | {r['step_ms']:.2f} | {r['capture_s']:.1f} |")
+    if args.output:
+        write_json(args.output, {"model": loaded.info.model_id, "context": args.context, "capture": args.capture,
+                                 "dtype": str(decoder.dtype), **environment(decoder.device), "results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

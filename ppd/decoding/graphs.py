@@ -1,0 +1,159 @@
+"""Running the device step: eager, compiled, or captured once and replayed as a CUDA graph.
+
+A :class:`StepRunner` owns the compiled step function and every CUDA graph of one decoder. A graph is
+captured the first time a (state, tree tables, step kind, width) combination runs, and replayed from then
+on: the state's buffers never move, so the graph reads and writes them directly and the host only copies
+out the small report. All graphs of a runner share one memory pool (they never run at the same time).
+
+Capture runs the step a few times first (which also compiles it) on a side stream, restoring the state's
+small tensors after each run, so capturing never changes what a request decodes. Under capture nothing
+executes. Each capture's seconds (compilation included) are kept in :attr:`StepRunner.captures`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..config import CaptureMode
+from .state import DecodeState
+from .step import LanguageModel, StepKind, decode_step
+from .tables import TreeTables
+
+logger = logging.getLogger(__name__)
+
+WARMUP_RUNS = 2
+
+
+@dataclass
+class Capture:
+    """One captured graph: what it is for and how long compiling and capturing took."""
+
+    kind: StepKind
+    batch_size: int
+    width: int
+    seconds: float
+
+
+def resolve_mode(mode: CaptureMode | str, device: torch.device) -> CaptureMode:
+    """``auto`` -> the fastest mode measured for this device type; CUDA-only modes refuse other devices."""
+    mode = CaptureMode(mode)
+    if mode is CaptureMode.AUTO:
+        return CaptureMode.COMPILED_GRAPH if device.type == "cuda" else CaptureMode.EAGER
+    if mode in (CaptureMode.GRAPH, CaptureMode.COMPILED_GRAPH, CaptureMode.REDUCE_OVERHEAD) and device.type != "cuda":
+        raise ValueError(f"capture mode {mode.value!r} needs a CUDA device; on {device.type} use 'eager' or 'compile'")
+    return mode
+
+
+def _compile_limits():
+    """Room for one compiled step per batch bucket and step kind (torch's default stops at 8 variants)."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    return config.patch(**{name: 64})
+
+
+_COMPILED: dict[str | None, object] = {}
+
+
+def compiled_step(mode: str | None):
+    """``decode_step`` compiled with ``torch.compile`` (``mode`` None or "reduce-overhead"), shared by every
+    decoder of the process: torch keeps one compiled variant per step kind and shapes, guarded, and a second
+    decoder of the same model and trees reuses them instead of compiling again."""
+    if mode not in _COMPILED:
+        _COMPILED[mode] = torch.compile(decode_step, fullgraph=True, mode=mode)
+    return _COMPILED[mode]
+
+
+def _mark_tree_sizes(tables: TreeTables, prompt_embeds: torch.Tensor) -> None:
+    mark = torch._dynamo.maybe_mark_dynamic
+    for tensor, dims in ((tables.candidate_index, (1,)), (tables.parent_row, (1,)), (tables.prompt_index, (1,)),
+                         (tables.position_offset, (1,)), (tables.allowed, (1, 2)),
+                         (tables.retrieve_indices, (1, 2)), (tables.retrieve_valid, (1, 2)), (tables.node_prompt_rows, (1,)),
+                         (tables.node_prompt_count, (1,)), (prompt_embeds, (1,))):
+        for dim in dims:
+            mark(tensor, dim)
+
+
+class StepRunner:
+    def __init__(self, lm: LanguageModel, mode: CaptureMode, device: torch.device):
+        self.lm = lm
+        self.mode = mode
+        self.device = device
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple]] = {}
+        self._static: set[int] = set()  # states whose buffers torch's own CUDA graphs may treat as fixed
+        self._pool = None
+        self.captures: list[Capture] = []
+
+    def _call(self, tables, prompt_embeds, state: DecodeState, kind: StepKind, width: int) -> None:
+        slot_ids = state.slot_ids[:width]
+        if self.mode is CaptureMode.EAGER or self.mode is CaptureMode.GRAPH:
+            decode_step(self.lm, tables, prompt_embeds, state, kind, slot_ids)
+            return
+        # One compiled step serves every width (the length of ``slot_ids``), cache capacity and tree set (the
+        # row, candidate and path counts of its tables): those sizes are symbolic from the first compilation.
+        torch._dynamo.mark_dynamic(slot_ids, 0)
+        for buffer in state.kv.buffers():
+            torch._dynamo.maybe_mark_dynamic(buffer, 2)
+        if tables is not None:
+            _mark_tree_sizes(tables, prompt_embeds)
+        if self.mode is CaptureMode.REDUCE_OVERHEAD and id(state) not in self._static:
+            # torch's CUDA graphs accept in-place updates only of inputs whose address never changes.
+            for tensor in [*state.small_tensors(), *state.kv.buffers(), state.slot_ids]:
+                torch._dynamo.mark_static_address(tensor)
+            self._static.add(id(state))
+        compiled = compiled_step("reduce-overhead" if self.mode is CaptureMode.REDUCE_OVERHEAD else None)
+        with _compile_limits():
+            compiled(self.lm, tables, prompt_embeds, state, kind, slot_ids)
+
+    # ------------------------------------------------------------------ public
+    def run(self, tables: TreeTables | None, prompt_embeds: torch.Tensor | None, state: DecodeState,
+            kind: StepKind, width: int) -> None:
+        """One step of every row of ``state``, attending over ``width`` cache slots."""
+        if self.mode in (CaptureMode.GRAPH, CaptureMode.COMPILED_GRAPH):
+            self.graph(tables, prompt_embeds, state, kind, width).replay()
+        else:
+            self._call(tables, prompt_embeds, state, kind, width)
+
+    def graph(self, tables, prompt_embeds, state: DecodeState, kind: StepKind, width: int) -> torch.cuda.CUDAGraph:
+        """The CUDA graph of this step, captured on first use."""
+        key = (id(state), id(tables), id(prompt_embeds), kind, width)
+        found = self._graphs.get(key)
+        if found is None:
+            found = (self._capture(tables, prompt_embeds, state, kind, width), (state, tables, prompt_embeds))
+            self._graphs[key] = found  # the objects are kept alive so that their ids are not reused
+        return found[0]
+
+    def forget(self, state: DecodeState) -> None:
+        """Drop the graphs of a state that is going away."""
+        self._graphs = {k: v for k, v in self._graphs.items() if v[1][0] is not state}
+
+    @property
+    def capture_seconds(self) -> float:
+        return sum(c.seconds for c in self.captures)
+
+    # ------------------------------------------------------------------ capture
+    def _capture(self, tables, prompt_embeds, state: DecodeState, kind: StepKind, width: int) -> torch.cuda.CUDAGraph:
+        start = time.perf_counter()
+        saved = state.snapshot()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_RUNS):  # compiles (if compiled) and initialises cuBLAS outside the capture
+                self._call(tables, prompt_embeds, state, kind, width)
+                state.restore(saved)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._call(tables, prompt_embeds, state, kind, width)
+        state.restore(saved)
+        torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - start
+        self.captures.append(Capture(kind, state.batch_size, width, seconds))
+        logger.info("captured the %s step (batch %d, width %d) in %.2f s", "tree" if kind.tree else "one-row",
+                    state.batch_size, width, seconds)
+        return graph

@@ -1,0 +1,101 @@
+"""The decoder-owned key/value cache: per-layer buffers written at given slots, compacted in place.
+
+``KVBuffer`` holds one keys and one values tensor per layer, ``[B, heads, capacity, head_dim]`` each. They
+are allocated once, at the first write, and never reallocated, so their addresses stay fixed for
+CUDA-graph capture; a new request only resets the per-row lengths that the decoder keeps beside them.
+
+Every buffer is a tensor of its own rather than a view into one tensor of all layers, and every write is
+an indexed assignment (``buffer[rows, :, slots] = ...``, an ``index_put_``). One tensor would make the
+compaction a single gather and scatter, but ``torch.compile`` turns an in-place write into a view of a
+larger input into copies of that whole input (measured on an H100: the compiled step ran 2.5x slower
+than the eager one, ``results/core/dev/``), and it does not update in place a ``scatter_`` into an input
+either: it copies the buffer, scatters into the copy and copies it back, every step. ``index_put_`` it
+does update in place.
+
+``CacheView`` is what transformers' attention layers see (``past_key_values``): each layer's
+``update(key, value, layer_idx)`` scatters the new rows to the slots the decoder chose (``slots``,
+long ``[B, T]``, per batch row) and returns the first ``width`` slots of that layer. Slots past a row's
+committed length hold stale entries; the decoder's masks never let attention see them.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+
+class KVBuffer:
+    """Keys and values of every layer; empty lists until the first write."""
+
+    def __init__(self, num_layers: int, batch_size: int, capacity: int):
+        self.num_layers = num_layers
+        self.batch_size = batch_size
+        self.capacity = capacity
+        self.keys: list[torch.Tensor] = []  # per layer [B, H, S, D]
+        self.values: list[torch.Tensor] = []
+
+    @property
+    def allocated(self) -> bool:
+        return bool(self.keys)
+
+    def allocate(self, like: torch.Tensor) -> None:
+        """Allocate from the first layer's new keys ``like`` [b, H, T, D] (any head count and head size)."""
+        shape = (self.batch_size, like.shape[1], self.capacity, like.shape[3])
+        self.keys = [like.new_zeros(shape) for _ in range(self.num_layers)]
+        self.values = [like.new_zeros(shape) for _ in range(self.num_layers)]
+
+    def buffers(self) -> list[torch.Tensor]:
+        return self.keys + self.values
+
+    def view(self, slots: torch.Tensor, width: int, rows: int | None = None) -> "CacheView":
+        """A cache for one forward: its ``T`` new rows go to ``slots`` [b, T]; attention sees ``width`` slots.
+        ``rows`` limits it to the first batch rows (a prefill of fewer prompts than the buffer holds)."""
+        return CacheView(self, slots, width, rows)
+
+    def compact(self, src: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Move slots ``src`` [B, M] of every row to ``lengths[b] + [0, M)``, in every layer.
+
+        Reads happen before writes. The destinations past a row's accepted count only receive stale
+        entries, which keeps every shape fixed.
+        """
+        dst = lengths[:, None] + torch.arange(src.shape[1], device=src.device)[None, :]
+        rows = torch.arange(src.shape[0], device=src.device)[:, None]
+        for buffer in self.buffers():
+            buffer[rows, :, dst] = buffer[rows, :, src]  # [B, M, H, D] read, then written
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.buffers())
+
+
+class CacheView(Cache):
+    """``past_key_values`` for one forward over a :class:`KVBuffer`."""
+
+    def __init__(self, buffer: KVBuffer, slots: torch.Tensor, width: int, rows: int | None = None):
+        super().__init__(layers=[])
+        self.buffer = buffer
+        self.slots = slots  # long [b, T]
+        self.width = width
+        self.rows = rows
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if not self.buffer.allocated:
+            self.buffer.allocate(key_states)
+        keys, values = self.buffer.keys[layer_idx], self.buffer.values[layer_idx]  # [B, H, S, D]
+        if self.rows is not None:
+            keys, values = keys[: self.rows], values[: self.rows]
+        rows = torch.arange(self.slots.shape[0], device=self.slots.device)[:, None]
+        keys[rows, :, self.slots] = key_states.transpose(1, 2)  # [b, T, H, D] at (row, slot)
+        values[rows, :, self.slots] = value_states.transpose(1, 2)
+        return keys[:, :, : self.width], values[:, :, : self.width]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.width
+
+    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+        return self.width, 0
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return self.buffer.capacity
+
+    def __len__(self) -> int:
+        return self.buffer.num_layers

@@ -1,0 +1,178 @@
+"""The host side of decoding: prefill, then one device step after another until every row has stopped.
+
+The host never builds a tensor per step. It picks which step to run (the PPD tree step, or one row near
+the end of the context window) and how many cache slots it must attend over, runs it (a graph replay under
+capture), and reads back one small tensor, the state's report: for each row the tokens it emitted, how
+many were accepted guesses, why it stopped and its cache length. EOS and token limits were already
+decided on the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..acceptance import sample_tokens
+from ..config import CaptureMode, DecodeConfig, DecodeMethod
+from ..prefill import average_copies, build_prefill
+from .graphs import resolve_mode
+from .state import LENGTH, MAX_LENGTH, REASONS, REPORT_HEAD, DecodeState
+from .step import StepKind, start_rows
+
+if TYPE_CHECKING:
+    from ..decoder import Decoder
+
+MIN_WIDTH = 256  # the narrowest attention width a captured step is made for
+
+
+class PromptTooLongError(ValueError):
+    """The prompt leaves no room in the model's context window (or the decoder's cache)."""
+
+
+@dataclass
+class Progress:
+    """What each row has emitted so far, as the host sees it after every forward pass."""
+
+    tokens: list[list[int]]
+    steps: list[int]  # forward passes after the prefill in which the row was still running
+    step_tokens: list[list[int]]  # tokens each of those passes emitted
+    reason: list[str | None]  # "eos" | "length" | "max_length" once finished
+    current_step: int = 0  # the forward pass the latest tokens came from (0 = the prefill)
+    current_tokens: list[list[int]] = field(default_factory=list)
+    current_guessed: list[int] = field(default_factory=list)  # accepted guesses among the latest tokens
+
+    def finished(self) -> list[bool]:
+        return [r is not None for r in self.reason]
+
+    def record(self, report: list[list[int]], count_step: bool) -> None:
+        self.current_tokens, self.current_guessed = [], []
+        for b, line in enumerate(report):
+            count, guessed, reason = line[0], line[1], line[2]
+            new = line[REPORT_HEAD: REPORT_HEAD + count]
+            if count_step and self.reason[b] is None:
+                self.steps[b] += 1
+                self.step_tokens[b].append(count)
+            self.tokens[b].extend(new)
+            self.current_tokens.append(new)
+            self.current_guessed.append(guessed)
+            if reason and self.reason[b] is None:
+                self.reason[b] = REASONS[reason]
+
+
+def attention_width(need: int, capacity: int, exact: bool) -> int:
+    """Cache slots a step attends over: exactly ``need`` when nothing is captured, else the next power of
+    two (at least :data:`MIN_WIDTH`), so that a few captured graphs serve every length."""
+    if exact:
+        return need
+    width = MIN_WIDTH
+    while width < need:
+        width *= 2
+    return min(width, capacity)
+
+
+def capture_widths(rows: int, capacity: int) -> list[int]:
+    """Every width :func:`attention_width` picks for a step of ``rows`` rows, up to ``capacity`` slots."""
+    widths = [attention_width(rows + 1, capacity, exact=False)]
+    while widths[-1] < capacity:
+        widths.append(attention_width(widths[-1] + 1, capacity, exact=False))
+    return widths
+
+
+def batch_bucket(size: int, exact: bool) -> int:
+    """Rows a state holds for a batch of ``size``: the next power of two when graphs are captured."""
+    if exact:
+        return size
+    bucket = 1
+    while bucket < size:
+        bucket *= 2
+    return bucket
+
+
+def decode(decoder: "Decoder", batch: list[list[int]], config: DecodeConfig) -> Iterator[Progress]:
+    """Decode ``batch`` (lists of token ids); yields the progress after the prefill and after every step."""
+    if not batch or any(len(x) == 0 for x in batch):
+        raise ValueError("every prompt needs at least one token")
+    use_ppd = config.method is DecodeMethod.PPD
+    if use_ppd and decoder.prompt_tokens is None:
+        raise ValueError("method 'ppd' needs prompt tokens (an adapter); use method 'baseline' without one")
+    mode = resolve_mode(config.capture, decoder.device)
+    exact = mode in (CaptureMode.EAGER, CaptureMode.COMPILE)
+    runner = decoder.runner(mode)
+    n = len(batch)
+    lengths = [len(x) for x in batch]
+    capacity = decoder.capacity
+    if max(lengths) >= capacity:
+        raise PromptTooLongError(
+            f"the prompt has {max(lengths)} tokens but {decoder.capacity_reason} is {capacity}: "
+            f"no room for a single new token")
+    limits = [min(config.max_new_tokens, capacity - length) for length in lengths]
+    limit_reasons = [LENGTH if config.max_new_tokens <= capacity - length else MAX_LENGTH for length in lengths]
+    tables = decoder.tables if use_ppd else None
+    prompt_embeds = decoder.prompt_embeds() if use_ppd else None
+    top_p = config.top_p < 1.0
+
+    state = decoder.states.acquire(batch_bucket(n, exact))
+    try:
+        with torch.no_grad():
+            state.reset(n, limits, limit_reasons, sorted(decoder.eos_token_ids) if config.stop_on_eos else [],
+                        config.seed if config.seed is not None else 0, max(config.temperature, 1e-6), config.top_p,
+                        config.posterior_threshold, config.posterior_alpha)
+            prefill(decoder, batch, state, use_ppd, config)
+            report = state.report[:n].tolist()
+        progress = Progress([[] for _ in batch], [0] * n, [[] for _ in batch], [None] * n)
+        progress.record(report, count_step=False)
+        yield progress
+
+        host_lengths = [line[3] for line in report]
+        step = 0
+        while not all(progress.finished()):
+            # Near the end of the context window the tree's positions would not fit: one row a step.
+            tree = use_ppd and max(host_lengths) + tables.max_offset < decoder.max_positions
+            rows = tables.num_rows if tree else 1
+            width = attention_width(max(host_lengths) + rows, state.capacity, exact)
+            kind = StepKind(tree=tree, greedy=config.greedy, top_p=top_p)
+            with torch.no_grad():
+                runner.run(tables if tree else None, prompt_embeds if tree else None, state, kind, width)
+                report = state.report[:n].tolist()  # the one host synchronisation of the step
+            step += 1
+            progress.current_step = step
+            progress.record(report, count_step=True)
+            host_lengths = [line[3] for line in report]
+            yield progress
+    finally:
+        decoder.states.release(state)
+
+
+def prefill(decoder: "Decoder", batch: list[list[int]], state: DecodeState, use_ppd: bool,
+            config: DecodeConfig) -> None:
+    """Run ``[x_b, prompt tokens]`` into the state's cache; set each row's length, root, guesses and key."""
+    n = len(batch)
+    pt = decoder.prompt_tokens
+    n_prompt = pt.num_prompt_tokens if use_ppd else 0
+    V = pt.num_ensemble if use_ppd else 1
+    attention = pt.config.attention_type if use_ppd else "ensemble"
+    table = pt().detach() if use_ppd else None
+    inputs = build_prefill(decoder.model, batch, table, n_prompt, V, attention)
+    width = inputs.width
+    slots = torch.arange(width, device=state.device)[None].expand(n, -1)
+    out = decoder.model(inputs_embeds=inputs.embeds, attention_mask=inputs.mask, position_ids=inputs.positions,
+                        past_key_values=state.kv.view(slots, width, rows=n), use_cache=True,
+                        logits_to_keep=inputs.keep)
+    rows = inputs.rows(out.logits)  # [n, 1 + N*V, vocab]
+    state.lengths[:n] = inputs.lengths
+    if config.greedy:
+        root = rows[:, 0].argmax(-1)
+    else:
+        top_p = state.top_p if config.top_p < 1.0 else None
+        root = sample_tokens(rows[:, 0], state.temperature, top_p, state.seed[:n],
+                             state.draws[:n])
+        state.draws[:n] += 1
+    state.root[:n] = root
+    if use_ppd:
+        guesses = average_copies(rows[:, 1:], n_prompt, V).topk(decoder.tables.top_k, dim=-1).indices
+        state.guesses[:n] = guesses
+        state.key[:n] = n_prompt
+    start_rows(state)

@@ -1,0 +1,125 @@
+"""Persistent device buffers of one batch bucket: the KV cache and everything a step reads and writes.
+
+A :class:`DecodeState` is allocated once per batch-size bucket and reused by every request that fits it;
+:meth:`DecodeState.reset` prepares it for a new request in place, so buffer addresses never change and
+captured graphs stay valid. The step reads and updates these tensors in place; the host reads back only
+``report`` once per step.
+
+Per batch row b (a bucket may hold padding rows, which start finished):
+
+- ``lengths[b]``: committed cache entries; ``root[b]``: the next token, not yet in the cache;
+  ``guesses[b]``: top-K guesses [N, K] of the prompt tokens attached to the last accepted node;
+  ``key[b]``: how many of them exist (the depth key of the next tree).
+- ``generated[b]`` / ``limit[b]``: tokens emitted so far and allowed; ``reason[b]``: why the row stopped
+  (:data:`RUNNING`, :data:`EOS`, :data:`LENGTH`, :data:`MAX_LENGTH`), ``limit_reason[b]`` the reason its
+  limit stands for.
+- ``report[b]``: what the last step did, ``[count, accepted, reason, length, tokens...]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kv_cache import KVBuffer
+
+RUNNING, EOS, LENGTH, MAX_LENGTH = 0, 1, 2, 3
+REASONS = {EOS: "eos", LENGTH: "length", MAX_LENGTH: "max_length"}
+REPORT_HEAD = 4  # count, accepted guesses, reason, length; then the emitted tokens
+
+
+class DecodeState:
+    def __init__(self, num_layers: int, batch_size: int, capacity: int, num_prompt_tokens: int, top_k: int,
+                 max_emit: int, num_eos: int, device: torch.device):
+        self.batch_size = batch_size
+        self.capacity = capacity
+        self.device = device
+        self.kv = KVBuffer(num_layers, batch_size, capacity)
+
+        def longs(*shape):
+            return torch.zeros(*shape, dtype=torch.long, device=device)
+
+        B = batch_size
+        self.lengths = longs(B)
+        self.root = longs(B)
+        self.guesses = longs(B, max(num_prompt_tokens, 1), max(top_k, 1))
+        self.key = longs(B)
+        self.generated = longs(B)
+        self.limit = longs(B)
+        self.reason = longs(B)
+        self.limit_reason = longs(B)
+        self.eos = torch.full((max(num_eos, 1),), -1, dtype=torch.long, device=device)
+        self.report = longs(B, REPORT_HEAD + max_emit)
+        # Sampling: per-row seeds and a per-row counter of random draws (see ``ppd.acceptance.uniform``).
+        self.seed = longs(B)
+        self.draws = longs(B)
+        self.temperature = torch.ones(1, device=device)
+        self.top_p = torch.ones(1, device=device)
+        self.posterior_threshold = torch.zeros(1, device=device)
+        self.posterior_alpha = torch.zeros(1, device=device)
+        # Slot numbers 0..capacity-1; a step attends over a prefix of them (its width).
+        self.slot_ids = torch.arange(capacity, device=device)
+
+    @property
+    def finished(self) -> torch.Tensor:
+        return self.reason != RUNNING
+
+    def small_tensors(self) -> list[torch.Tensor]:
+        """Every buffer a step changes except the KV cache, whose changes past ``lengths`` are stale anyway."""
+        return [self.lengths, self.root, self.guesses, self.key, self.generated, self.reason, self.report,
+                self.draws]
+
+    def snapshot(self) -> list[torch.Tensor]:
+        return [t.clone() for t in self.small_tensors()]
+
+    def restore(self, saved: list[torch.Tensor]) -> None:
+        for t, s in zip(self.small_tensors(), saved):
+            t.copy_(s)
+
+    def reset(self, rows: int, limits: list[int], limit_reasons: list[int], eos: list[int], seed: int,
+              temperature: float, top_p: float, posterior_threshold: float, posterior_alpha: float) -> None:
+        """Prepare for a request of ``rows`` real rows (the rest of the bucket is padding, finished at once)."""
+        B, device = self.batch_size, self.device
+        pad = B - rows
+
+        def put(buffer: torch.Tensor, values: list) -> None:
+            buffer.copy_(torch.tensor(values, dtype=buffer.dtype), non_blocking=False)
+
+        put(self.limit, list(limits) + [1] * pad)
+        put(self.limit_reason, list(limit_reasons) + [LENGTH] * pad)
+        put(self.reason, [RUNNING] * rows + [LENGTH] * pad)
+        self.generated.zero_()
+        self.lengths.zero_()
+        self.key.zero_()
+        self.draws.zero_()
+        self.report.zero_()
+        eos_ids = sorted(eos)[: self.eos.numel()]
+        put(self.eos, eos_ids + [-1] * (self.eos.numel() - len(eos_ids)))
+        # One seed per row, derived from the request's seed so that rows draw independent numbers.
+        put(self.seed, [(seed * 1_000_003 + b * 7_919) % (1 << 31) for b in range(B)])
+        for buffer, value in ((self.temperature, temperature), (self.top_p, top_p),
+                              (self.posterior_threshold, posterior_threshold), (self.posterior_alpha, posterior_alpha)):
+            buffer.fill_(value)
+
+
+class StatePool:
+    """The decoder's states by batch bucket, allocated on first use and reused by later requests.
+
+    A request leases a state for as long as it runs; a second request running at the same time (two
+    interleaved streams) gets a state of its own, so requests never share a cache.
+    """
+
+    def __init__(self, make):
+        self._make = make  # batch size -> DecodeState
+        self._free: dict[int, list[DecodeState]] = {}
+        self.allocated: list[DecodeState] = []
+
+    def acquire(self, batch_size: int) -> DecodeState:
+        free = self._free.setdefault(batch_size, [])
+        if free:
+            return free.pop()
+        state = self._make(batch_size)
+        self.allocated.append(state)
+        return state
+
+    def release(self, state: DecodeState) -> None:
+        self._free.setdefault(state.batch_size, []).append(state)

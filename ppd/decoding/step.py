@@ -1,0 +1,197 @@
+"""The device side of one decoding step, as a pure function of persistent tensors.
+
+One PPD step (REFERENCE section 3) in Medusa's vocabulary:
+``generate_candidates -> tree_decoding -> evaluate_posterior -> update_inference_inputs``, plus the stopping
+rules, all on the device: row b reads its own tree ``tables[key[b]]``, the forward attends over the first
+``width`` cache slots, logits are computed only for the node rows (acceptance) and for the prompt rows of
+each row's last accepted node (the next guesses), the accepted path's KV entries move down in one
+gather/scatter for every layer, and EOS and token limits are decided here. Every input and output lives in
+a :class:`~ppd.decoding.state.DecodeState`, so the function allocates nothing the host has to know about
+and can be compiled (``torch.compile(fullgraph=True)``) and captured in a CUDA graph as it is.
+
+With ``tables=None`` the same function is one autoregressive step (the root alone): the baseline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..acceptance import accept_candidates, longest_accepted_path, sample_tokens
+from ..attention import step_mask
+from ..prefill import average_copies
+from .state import EOS, REPORT_HEAD, RUNNING, DecodeState
+from .tables import TreeTables
+
+
+@dataclass
+class LanguageModel:
+    """The pieces of a transformers causal LM that a step calls: embeddings, the body, the head."""
+
+    embed: nn.Module
+    body: nn.Module  # returns ``last_hidden_state`` (the final norm applied)
+    head: nn.Module
+    softcap: float | None = None  # the config's ``final_logit_softcapping``, where the model has one
+
+    @classmethod
+    def of(cls, model) -> "LanguageModel":
+        body = model.base_model
+        if body is model:
+            raise ValueError(f"{type(model).__name__} exposes no base model under its head: not a causal LM")
+        return cls(model.get_input_embeddings(), body, model.get_output_embeddings(),
+                   getattr(model.config, "final_logit_softcapping", None))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.head(hidden)
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+@dataclass(frozen=True)
+class StepKind:
+    """What one compiled/captured step is specialised for (everything else is a tensor it reads)."""
+
+    tree: bool  # PPD tree step, or one autoregressive row
+    greedy: bool
+    top_p: bool  # apply the top-p filter (sampling only)
+
+
+def stop_rows(state: DecodeState, emitted: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cut each row's ``emitted[b, :count[b]]`` at its first EOS or its token limit.
+
+    Returns the tokens kept per row and each row's reason after this step (unchanged while running).
+    """
+    width = emitted.shape[1]
+    live = torch.arange(width, device=emitted.device)[None, :] < count[:, None]
+    is_eos = (emitted[..., None] == state.eos).any(-1) & live
+    any_eos = is_eos.any(1)
+    upto_eos = torch.where(any_eos, is_eos.long().argmax(1) + 1, width)
+    room = state.limit - state.generated
+    kept = torch.minimum(count, torch.minimum(upto_eos, room))
+    eos_stop = any_eos & (upto_eos <= room)
+    limit_stop = (count > 0) & ~eos_stop & (state.generated + kept >= state.limit)
+    reason = torch.where(eos_stop, EOS, torch.where(limit_stop, state.limit_reason, state.reason))
+    return kept, reason
+
+
+def _finish(state: DecodeState, emitted: torch.Tensor, count: torch.Tensor, committed: torch.Tensor,
+            accepted: torch.Tensor) -> None:
+    """Apply the stopping rules to ``emitted[b, :count[b]]``, grow the cache by ``committed`` entries and
+    write the report the host reads."""
+    kept, reason = stop_rows(state, emitted, count)
+    state.lengths.add_(committed)
+    state.generated.add_(kept)
+    state.reason.copy_(reason)
+    report = state.report
+    report[:, 0] = kept
+    report[:, 1] = torch.minimum(kept, accepted)
+    report[:, 2] = reason
+    report[:, 3] = state.lengths
+    # Padded to the report's fixed width, so that one compiled step serves trees of any depth.
+    report[:, REPORT_HEAD:] = torch.nn.functional.pad(emitted, (0, report.shape[1] - REPORT_HEAD - emitted.shape[1]))
+
+
+def start_rows(state: DecodeState) -> None:
+    """After the prefill: each running row emits its root, which is not in the cache yet."""
+    count = (state.reason == RUNNING).long()
+    zero = torch.zeros_like(count)
+    _finish(state, state.root[:, None], count, zero, zero)
+
+
+@dataclass
+class Candidates:
+    """The rows of one step's forward, for every batch row."""
+
+    node_tokens: torch.Tensor  # long [B, 1 + C]: the root, then the candidates
+    embeds: torch.Tensor  # [B, T, hidden]: node embeddings, then the prompt-token rows
+    offsets: torch.Tensor  # long [B, T]: position of each row minus the root's
+    allowed: torch.Tensor  # bool [B, T, T] (or [T, T]): which rows see which
+
+
+def generate_candidates(lm: LanguageModel, tables: TreeTables | None, prompt_embeds: torch.Tensor | None,
+                        state: DecodeState) -> Candidates:
+    """Each row's root and candidate tokens (picked from its guesses by its own tree), then its prompt rows."""
+    if tables is None:
+        node_tokens = state.root[:, None]  # [B, 1]
+        allowed = torch.ones(1, 1, dtype=torch.bool, device=node_tokens.device)
+        return Candidates(node_tokens, lm.embed(node_tokens), torch.zeros_like(node_tokens), allowed)
+    key = state.key
+    candidates = state.guesses.flatten(1).gather(1, tables.candidate_index[key])  # [B, C]
+    node_tokens = torch.cat([state.root[:, None], candidates], dim=1)
+    embeds = torch.cat([lm.embed(node_tokens), prompt_embeds[key]], dim=1)
+    return Candidates(node_tokens, embeds, tables.position_offset[key], tables.allowed[key])
+
+
+def tree_decoding(lm: LanguageModel, state: DecodeState, rows: Candidates, slot_ids: torch.Tensor) -> torch.Tensor:
+    """One forward over every row, written to cache slots ``lengths + [0, T)``; returns hidden states
+    [B, T, hidden] (the final norm applied). Attention sees the slots ``slot_ids``."""
+    lengths = state.lengths
+    num_rows = rows.embeds.shape[1]
+    positions = lengths[:, None] + rows.offsets
+    slots = lengths[:, None] + torch.arange(num_rows, device=lengths.device)[None, :]
+    mask = step_mask(rows.allowed, lengths, slot_ids, rows.embeds.dtype)
+    return lm.body(inputs_embeds=rows.embeds, attention_mask=mask, position_ids=positions,
+                   past_key_values=state.kv.view(slots, slot_ids.shape[0]), use_cache=True).last_hidden_state
+
+
+def evaluate_posterior(tables: TreeTables | None, state: DecodeState, rows: Candidates, node_logits: torch.Tensor,
+                       greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The longest accepted path of each row's tree: its tree rows [B, depth + 1] (root first) and how many
+    of its candidates were accepted [B]."""
+    if tables is None:
+        accepted = torch.zeros_like(state.root)
+        return accepted[:, None], accepted
+    key = state.key
+    verdict = accept_candidates(node_logits, rows.node_tokens, tables.parent_row[key], greedy,
+                                state.temperature, state.posterior_threshold, state.posterior_alpha)
+    best, accepted = longest_accepted_path(verdict, tables.retrieve_indices[key], tables.retrieve_valid[key])
+    batch = torch.arange(best.shape[0], device=best.device)
+    return tables.retrieve_indices[key][batch, best], accepted
+
+
+def decode_step(lm: LanguageModel, tables: TreeTables | None, prompt_embeds: torch.Tensor | None,
+                state: DecodeState, kind: StepKind, slot_ids: torch.Tensor) -> None:
+    """One step for every row of ``state``; everything it produces is written into ``state``.
+
+    ``slot_ids`` (``state.slot_ids[:W]``) are the cache slots attention sees: the step's width comes from
+    its shape, so one compiled step serves every width.
+    """
+    rows = generate_candidates(lm, tables, prompt_embeds, state)
+    hidden = tree_decoding(lm, state, rows, slot_ids)
+    num_nodes = rows.node_tokens.shape[1]
+    node_logits = lm.logits(hidden[:, :num_nodes])  # [B, 1 + C, vocab]: the only logits acceptance reads
+    path, accepted = evaluate_posterior(tables, state, rows, node_logits, kind.greedy)
+    update_inference_inputs(lm, tables, state, kind, rows, hidden, node_logits, path, accepted)
+
+
+def update_inference_inputs(lm: LanguageModel, tables: TreeTables | None, state: DecodeState, kind: StepKind,
+                            rows: Candidates, hidden: torch.Tensor, node_logits: torch.Tensor, path: torch.Tensor,
+                            accepted: torch.Tensor) -> None:
+    """Keep the accepted path in the cache (one gather/scatter for all layers); the next root, guesses and
+    key from the last accepted node (logits only for its prompt rows); the stopping rules; the report."""
+    batch = torch.arange(path.shape[0], device=path.device)
+    running = state.reason == RUNNING
+    last = path.gather(1, accepted[:, None])[:, 0]  # tree row of the last accepted node
+    last_logits = node_logits[batch, last]  # [B, vocab]
+    if kind.greedy:
+        new_root = last_logits.argmax(-1)
+    else:
+        new_root = sample_tokens(last_logits, state.temperature, state.top_p if kind.top_p else None,
+                                 state.seed, state.draws)
+        state.draws.add_(running.long())
+    emitted = torch.cat([rows.node_tokens.gather(1, path)[:, 1:], torch.zeros_like(new_root)[:, None]], dim=1)
+    emitted = emitted.scatter(1, accepted[:, None], new_root[:, None])  # accepted candidates, then the root
+    if tables is not None:
+        key = state.key
+        prompt_rows = tables.node_prompt_rows[key][batch, last]  # [B, N * V]
+        prompt_hidden = hidden.gather(1, prompt_rows[..., None].expand(-1, -1, hidden.shape[-1]))
+        prompt_logits = average_copies(lm.logits(prompt_hidden), tables.num_prompt_tokens, tables.num_ensemble)
+        state.guesses.copy_(prompt_logits.topk(tables.top_k, dim=-1).indices)
+        state.key.copy_(torch.where(running, tables.node_prompt_count[key][batch, last], key))
+        state.kv.compact(state.lengths[:, None] + path, state.lengths)
+    state.root.copy_(torch.where(running, new_root, state.root))
+    committed = torch.where(running, accepted + 1, 0)
+    _finish(state, emitted, committed, committed, accepted)

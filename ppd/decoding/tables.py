@@ -1,0 +1,96 @@
+"""Every tree of a tree set as one stack of device tensors, indexed by each batch row's depth key.
+
+The captured step does not switch trees on the host: it reads row b's tree as ``table[key[b]]``. So all
+trees of a set are padded to the same shapes (the largest tree's rows, candidates, paths and depth) and
+stacked along a leading key axis (index 0 repeats key 1, so any key a finished row holds stays in range).
+Padding is inert: a padded candidate lies on no path and so is never accepted, a padded row attends only
+to itself, and nothing reads its logits.
+
+Row layout of every padded tree: row 0 the root, rows ``1..C`` the candidates (parents before children,
+padding last), rows ``C + 1 .. T - 1`` the attached prompt-token rows (padding last).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import AttentionType
+from ..tree import TreeBuffers, TreeSet
+
+
+@dataclass
+class TreeTables:
+    num_prompt_tokens: int  # N
+    num_ensemble: int  # V
+    top_k: int  # K
+    num_rows: int  # T, rows of one forward
+    num_candidates: int  # C, candidate rows (root excluded)
+    depth: int  # longest path
+    candidate_index: torch.Tensor  # long [N+1, C]: index into a row's flattened guesses [N * K]
+    parent_row: torch.Tensor  # long [N+1, C]: row of each candidate's parent
+    prompt_index: torch.Tensor  # long [N+1, T-1-C]: prompt-token table row of each prompt row
+    position_offset: torch.Tensor  # long [N+1, T]: position minus the root's position
+    allowed: torch.Tensor  # bool [N+1, T, T]: row may attend to row
+    retrieve_indices: torch.Tensor  # long [N+1, P, depth + 1]: rows of each root-to-leaf path, 0-padded
+    retrieve_valid: torch.Tensor  # bool [N+1, P, depth + 1]
+    node_prompt_rows: torch.Tensor  # long [N+1, 1+C, N*V]: rows of each node's attached prompt tokens
+    node_prompt_count: torch.Tensor  # long [N+1, 1+C]: prompt tokens attached to each node (the next key)
+    max_offset: int  # largest position offset of any row of any tree
+
+    @property
+    def num_prompt_rows(self) -> int:
+        return self.num_rows - 1 - self.num_candidates
+
+    @classmethod
+    def build(cls, trees: TreeSet, num_ensemble: int, attention_type: AttentionType | str,
+              device: torch.device | str = "cpu") -> "TreeTables":
+        n = trees.num_prompt_tokens
+        per_key = [TreeBuffers.build(trees.trees[key], key, n, num_ensemble, attention_type, trees.top_k)
+                   for key in range(1, n + 1)]
+        per_key = [per_key[0]] + per_key  # index 0 repeats key 1
+        C = max(b.num_nodes for b in per_key) - 1
+        prompt_rows = max(b.num_rows - b.num_nodes for b in per_key)
+        T = 1 + C + prompt_rows
+        depth = max(b.depth for b in per_key)
+        paths = max(b.retrieve_indices.shape[0] for b in per_key)
+        NV = n * num_ensemble
+        K1 = n + 1
+
+        candidate_index = torch.zeros(K1, C, dtype=torch.long)
+        parent_row = torch.zeros(K1, C, dtype=torch.long)
+        prompt_index = torch.zeros(K1, prompt_rows, dtype=torch.long)
+        position_offset = torch.zeros(K1, T, dtype=torch.long)
+        allowed = torch.eye(T, dtype=torch.bool).repeat(K1, 1, 1)
+        retrieve = torch.zeros(K1, paths, depth + 1, dtype=torch.long)
+        valid = torch.zeros(K1, paths, depth + 1, dtype=torch.bool)
+        valid[:, :, 0] = True
+        node_rows = torch.zeros(K1, 1 + C, NV, dtype=torch.long)
+        node_count = torch.ones(K1, 1 + C, dtype=torch.long)
+        for k, b in enumerate(per_key):
+            nodes, rows = b.num_nodes, b.num_rows
+            # Tree row r -> padded row: nodes keep their index, prompt rows move to start after C + 1.
+            remap = torch.cat([torch.arange(nodes), torch.arange(1 + C, 1 + C + rows - nodes)])
+            c = nodes - 1
+            candidate_index[k, :c] = b.candidate_index.cpu()
+            parent_row[k, :c] = b.parent_row.cpu()
+            prompt_index[k, : rows - nodes] = b.prompt_index.cpu()
+            position_offset[k, remap] = b.position_offset.cpu()
+            allowed[k, remap[:, None], remap[None, :]] = b.allowed.cpu()
+            p, d = b.retrieve_indices.shape
+            retrieve[k, :p, :d] = b.retrieve_indices.cpu()  # node rows are not remapped
+            valid[k, :p, :d] = b.retrieve_valid.cpu()
+            count = b.node_prompt_count.cpu()
+            node_count[k, :nodes] = count
+            # Each node's attached prompt rows, remapped; unused slots point at row 0 (never read).
+            used = torch.arange(NV)[None, :] < count[:, None] * num_ensemble
+            node_rows[k, :nodes] = torch.where(used, remap[b.node_prompt_rows.cpu()], 0)
+        return cls(
+            num_prompt_tokens=n, num_ensemble=num_ensemble, top_k=trees.top_k, num_rows=T, num_candidates=C,
+            depth=depth, candidate_index=candidate_index.to(device), parent_row=parent_row.to(device),
+            prompt_index=prompt_index.to(device), position_offset=position_offset.to(device),
+            allowed=allowed.to(device), retrieve_indices=retrieve.to(device), retrieve_valid=valid.to(device),
+            node_prompt_rows=node_rows.to(device), node_prompt_count=node_count.to(device),
+            max_offset=max(b.max_offset for b in per_key),
+        )

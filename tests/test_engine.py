@@ -1,0 +1,146 @@
+"""The engine around the device step: compiled and captured steps give the eager step's tokens, rows of a
+batch stop on the device at their own steps, and a decoder's caches carry nothing from one request to the
+next. CUDA-only modes run where a GPU is present (the device machine), and are skipped here otherwise."""
+
+import random
+
+import pytest
+import torch
+
+from ppd import CaptureMode, DecodeConfig, Decoder
+from ppd.decoding.step import decode_step
+from tests.conftest import random_prompt_tokens, random_tree_set, tiny_model
+from tests.test_decoder import hf_greedy
+
+CUDA = torch.cuda.is_available()
+
+
+def _compiled_variants() -> int:
+    """How many compiled variants of the step function torch holds (one per step kind, not per width)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return len(_debug_get_cache_entry_list(decode_step.__code__))
+
+
+def _requests(vocab: int, seed: int, count: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [([rng.randrange(vocab) for _ in range(rng.randint(1, 40))], rng.randint(1, 40)) for _ in range(count)]
+
+
+def _outputs(decoder, requests, **config):
+    results = []
+    for prompt, n in requests:
+        out = decoder.generate(prompt, DecodeConfig(max_new_tokens=n, stop_on_eos=False, **config))
+        results.append((out.token_ids, out.steps, out.finish_reason))
+    return results
+
+
+def test_compiled_step_equals_eager_step_without_graph_breaks_or_recompiles():
+    """torch.compile(fullgraph=True) of the step on this CPU: the same tokens and steps as the eager step,
+    greedy and sampled, and one compiled variant per step kind whatever the attention width."""
+    torch._dynamo.reset()
+    model = tiny_model(seed=21)
+    decoder = Decoder(model, random_prompt_tokens(model, 3, 2, seed=21), random_tree_set(seed=21, size=14),
+                      max_seq_len=200)
+    requests = _requests(model.config.vocab_size, 21, 4)
+    for method in ("ppd", "baseline"):
+        eager = _outputs(decoder, requests, method=method, capture="eager")
+        assert _outputs(decoder, requests, method=method, capture="compile") == eager
+    assert _compiled_variants() == 2  # tree step and one-row step, every width and prompt length
+    sampled = dict(method="ppd", temperature=0.8, top_p=0.9, seed=5)
+    assert _outputs(decoder, requests[:2], capture="compile", **sampled) == _outputs(decoder, requests[:2], **sampled)
+
+
+def test_rows_of_a_batch_stop_on_the_device_at_their_own_steps():
+    model = tiny_model(seed=22)
+    rng = random.Random(22)
+    prompts = [[rng.randrange(24) for _ in range(rng.randint(2, 12))] for _ in range(5)]
+    references = [hf_greedy(model, p, 30) for p in prompts]
+    eos = references[0][5]  # a token some rows emit early and others late or never
+    decoder = Decoder(model, random_prompt_tokens(model, 3, 1, seed=22), random_tree_set(seed=22, size=12),
+                      eos_token_ids=[eos])
+    limits = [30, 3, 17, 30, 9]
+    outs = decoder.generate(prompts, DecodeConfig(max_new_tokens=30))
+    for prompt, reference, out, limit in zip(prompts, references, outs, limits):
+        expected = reference[: reference.index(eos) + 1] if eos in reference else reference
+        assert out.token_ids == expected
+        assert out.finish_reason == ("eos" if eos in reference else "length")
+    # Per-row limits come from each row's room in the context window: a batch mixing long and short prompts.
+    small = Decoder(model, random_prompt_tokens(model, 3, 1, seed=22), random_tree_set(seed=22, size=12),
+                    max_seq_len=40)
+    batch = [[1] * 35, [2] * 5]
+    long_row, short_row = small.generate(batch, DecodeConfig(max_new_tokens=20, stop_on_eos=False))
+    assert long_row.token_ids == hf_greedy(model, batch[0], 5) and long_row.finish_reason == "max_length"
+    assert short_row.token_ids == hf_greedy(model, batch[1], 20) and short_row.finish_reason == "length"
+    assert limits  # (the limits above are only the shape of the test's expectation)
+
+
+def test_cache_is_allocated_once_and_reset_between_requests():
+    """Two different requests in a row give what each gives alone, on the same buffers."""
+    model = tiny_model(seed=23)
+    pt, trees = random_prompt_tokens(model, 3, 2, seed=23), random_tree_set(seed=23, size=12)
+    shared = Decoder(model, pt, trees)
+    requests = _requests(model.config.vocab_size, 23, 6)
+    configs = [dict(method="ppd"), dict(method="baseline"), dict(method="ppd", temperature=0.7, seed=3)]
+    results = []
+    for (prompt, n), extra in zip(requests, configs * 2):
+        results.append(shared.generate(prompt, DecodeConfig(max_new_tokens=n, stop_on_eos=False, **extra)).token_ids)
+    assert len(shared.states.allocated) == 1
+    address = shared.states.allocated[0].kv.keys[0].data_ptr()
+    for (prompt, n), extra, result in zip(requests, configs * 2, results):
+        alone = Decoder(model, pt, trees).generate(prompt, DecodeConfig(max_new_tokens=n, stop_on_eos=False, **extra))
+        assert alone.token_ids == result
+    shared.generate(requests[0][0], DecodeConfig(max_new_tokens=4))
+    assert shared.states.allocated[0].kv.keys[0].data_ptr() == address and len(shared.states.allocated) == 1
+
+
+def test_interleaved_streams_get_caches_of_their_own():
+    model = tiny_model(seed=24)
+    decoder = Decoder(model, random_prompt_tokens(model, seed=24), random_tree_set(seed=24, size=10))
+    config = DecodeConfig(max_new_tokens=25, stop_on_eos=False)
+    streams = {(1, 2, 3): decoder.stream([1, 2, 3], config), (7, 7, 9, 4): decoder.stream([7, 7, 9, 4], config)}
+    tokens = {prompt: [] for prompt in streams}
+    while streams:
+        for prompt, stream in list(streams.items()):  # one step of each in turn
+            step = next(stream, None)
+            if step is None:
+                del streams[prompt]
+            else:
+                tokens[prompt] += step.tokens[0]
+    for prompt, got in tokens.items():
+        assert got == hf_greedy(model, list(prompt), 25)
+    assert len(decoder.states.allocated) == 2
+
+
+def test_cuda_only_modes_are_refused_clearly_on_cpu():
+    if CUDA:
+        pytest.skip("this machine has a GPU")
+    model = tiny_model()
+    decoder = Decoder(model, random_prompt_tokens(model), random_tree_set(seed=0))
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        decoder.generate([1, 2], DecodeConfig(capture="compiled_graph"))
+    assert decoder.warmup() == 0.0  # nothing to capture on a CPU
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("mode", [CaptureMode.GRAPH, CaptureMode.COMPILED_GRAPH])
+def test_captured_step_equals_eager_step_on_the_gpu(mode):
+    model = tiny_model(seed=25).cuda()
+    decoder = Decoder(model, random_prompt_tokens(model, 3, 2, seed=25), random_tree_set(seed=25, size=14),
+                      max_seq_len=300)
+    requests = _requests(model.config.vocab_size, 25, 6)
+    for method in ("ppd", "baseline"):
+        assert _outputs(decoder, requests, method=method, capture=mode) == _outputs(decoder, requests,
+                                                                                    method=method, capture="eager")
+    sampled = dict(method="ppd", temperature=0.8, top_p=0.9, seed=5)
+    captured = _outputs(decoder, requests, capture=mode, **sampled)
+    assert captured == _outputs(decoder, requests, capture=mode, **sampled)  # seeded: the same text again
+    if mode is CaptureMode.GRAPH:  # the eager step's own kernels, replayed: the very same numbers
+        assert captured == _outputs(decoder, requests, capture="eager", **sampled)
+    batch = [p for p, _ in requests[:3]]
+    for mode_outs in zip(decoder.generate(batch, DecodeConfig(max_new_tokens=30, capture=mode)),
+                         decoder.generate(batch, DecodeConfig(max_new_tokens=30, capture="eager"))):
+        assert mode_outs[0].token_ids == mode_outs[1].token_ids
+    captured = len(decoder.captures)
+    _outputs(decoder, requests, method="ppd", capture=mode)
+    assert len(decoder.captures) == captured  # later requests replay what is captured
