@@ -15,7 +15,7 @@ from typing import Iterator
 
 from ppd.chat import chat_input_ids
 from ppd.cli import Loaded
-from ppd.config import DecodeConfig
+from ppd.config import CaptureMode, DecodeConfig
 from ppd.decoder import GenerationOutput
 
 
@@ -49,13 +49,19 @@ def message_text(content) -> str:
 
 class ChatEngine:
     """Streams replies of one decoder. Forward passes of different callers never overlap: each step runs
-    under a lock, which is never held between steps, so a caller that stops reading cannot block others."""
+    under a lock, which is never held between steps, so a caller that stops reading cannot block others.
 
-    def __init__(self, loaded: Loaded):
+    The decoder's steps are compiled and captured once, here (``startup_s`` says how long it took; nothing
+    on a CPU, where the step runs eager), and every later message reuses them and the same cache."""
+
+    def __init__(self, loaded: Loaded, capture: CaptureMode | str = CaptureMode.AUTO):
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.decoder = loaded.decoder
+        self.capture = CaptureMode(capture)
         self._lock = threading.Lock()
+        methods = ("ppd", "baseline") if self.has_prompt_tokens else ("baseline",)
+        self.startup_s = self.decoder.warmup(methods=methods, capture=self.capture)
 
     @property
     def has_prompt_tokens(self) -> bool:
@@ -84,7 +90,8 @@ class ChatEngine:
             raise ValueError(f"temperature must be >= 0, not {temperature}")
         method = "ppd" if use_ppd and self.has_prompt_tokens else "baseline"
         ids = self.prompt_ids(messages)
-        config = DecodeConfig(method=method, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+        config = DecodeConfig(method=method, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                              capture=self.capture)
         steps = self.decoder.stream(ids, config)
         update = ReplyUpdate(token_ids=[], steps=0, finish_reason=None, wall_time_s=0.0, method=method)
         start = time.perf_counter()

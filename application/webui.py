@@ -165,12 +165,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_new_tokens < 1:
         parser.error("--max_new_tokens must be >= 1")
     try:
-        engine = ChatEngine(load_decoder(args))
+        engine = ChatEngine(load_decoder(args), capture=args.capture)
     except (ValueError, FileNotFoundError) as error:  # a bad model, adapter, tree or quantisation request
         parser.error(str(error))
     if args.max_new_tokens > engine.context_window:
         parser.error(f"--max_new_tokens {args.max_new_tokens} exceeds the context window ({engine.context_window})")
     demo = build_demo(engine, max_new_tokens=args.max_new_tokens)
+    if engine.startup_s:
+        print(f"decoding steps compiled and captured in {engine.startup_s:.1f} s "
+              f"({len(engine.decoder.captures)} graphs, reused by every message)")
     print(f"serving on http://{args.host}:{args.port}" + (" and a public share link" if args.share else ""))
     demo.queue(default_concurrency_limit=1).launch(server_name=args.host, server_port=args.port, share=args.share)
     return 0

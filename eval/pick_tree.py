@@ -10,8 +10,10 @@ Each tree set's expected tokens per step comes from the accuracies it was built 
 time is the decoder's whole step as the engine runs it on this device, in this dtype and capture mode
 (``eval.step_latency``: compiled and captured on CUDA by default). The one-row baseline is scored the
 same way. ``--install`` copies the best tree into the adapter directory as
-``tree_<device type>_<dtype>.json``, where the decoder finds it for that device and dtype; where the baseline wins, it says so, and the best tree is still what PPD uses
-on that device.
+``tree_<device type>_<dtype>.json``, where the decoder finds it for that device and dtype; where the
+baseline wins, it says so, and the best tree is still what PPD uses on that device. ``--captures graph
+compiled_graph`` times every tree under each capture mode and reports the best mode for the tree step
+and for the one-row step (``best_tree_capture``, ``baseline_capture``).
 """
 
 from __future__ import annotations

@@ -135,8 +135,8 @@ def chart(rows: list[dict], path: Path) -> None:
     width = 0.8 / max(1, len(methods))
     fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(settings), 3.6))
     for i, method in enumerate(methods):
-        values = [next((r["tokens_per_s"] or 0 for r in rows if (r["bench"], r["dtype"]) == s and r["method"] == method),
-                       0) for s in settings]
+        values = [next((r["tokens_per_s"] or 0 for r in rows
+                        if (r["bench"], r["dtype"]) == setting and r["method"] == method), 0) for setting in settings]
         ax.bar([x + i * width for x in range(len(settings))], values, width, label=method)
     labels = [bench if dtype == "-" else f"{bench}\n{dtype}" for bench, dtype in settings]
     ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(settings))], labels)

@@ -32,8 +32,10 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 def uniform(seed: torch.Tensor, draws: torch.Tensor, n: int) -> torch.Tensor:
     """Uniform numbers in (0, 1), float32 [B, n], for draw ``draws[b]`` of row b's stream ``seed[b]``."""
     row = _mix32(_mix32(seed & _M32) ^ (draws & _M32))
+    # The vocabulary index enters by xor only: compiled kernels hold it in 32 bits, where a product with a
+    # large constant would not fit (Triton refuses such a constant).
     index = torch.arange(n, device=seed.device)
-    bits = _mix32((row[:, None] + index[None, :] * 0x9E3779B9) & _M32) >> 8  # 24 random bits
+    bits = _mix32(row[:, None] ^ index[None, :]) >> 8  # 24 random bits
     return (bits.float() + 0.5) * (1.0 / (1 << 24))
 
 

@@ -70,7 +70,8 @@ def prefill_layout(
     return allowed, positions
 
 
-def step_mask(tree_allowed: torch.Tensor, lengths: torch.Tensor, slot_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def step_mask(tree_allowed: torch.Tensor, lengths: torch.Tensor, slot_ids: torch.Tensor,
+              dtype: torch.dtype) -> torch.Tensor:
     """Float mask [B, 1, T, W] for T new rows written at ``[L_b, L_b + T)`` of each row's cache.
 
     ``tree_allowed`` is bool [T, T] or, one tree per batch row, [B, T, T]; ``slot_ids`` long [W] are the

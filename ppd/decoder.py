@@ -176,30 +176,31 @@ class Decoder:
         for ``ppd``, the one-row step for ``baseline``; PPD falls back to the one-row step only at the end
         of the context window, which captures it then), at every attention width up to ``max_width``
         (default: the whole cache). Returns the seconds it took; :attr:`captures` has each graph's share.
-        Modes that capture nothing return at once."""
+        In eager mode there is nothing to prepare."""
         mode = resolve_mode(capture, self.device)
-        if mode not in (CaptureMode.GRAPH, CaptureMode.COMPILED_GRAPH):
+        if mode is CaptureMode.EAGER:
             return 0.0
         start = time.perf_counter()
         runner = self.runner(mode)
         kinds = ([True] if "ppd" in methods and self.tables is not None else []) + (
             [False] if "baseline" in methods else [])
+        method = "ppd" if True in kinds else "baseline"
         for size in batch_sizes:
             # A one-token request allocates the bucket's cache; the state it used is the one leased next.
-            for _ in decode(self, [[0]] * size, DecodeConfig(max_new_tokens=1, capture=mode)):
+            for _ in decode(self, [[0]] * size, DecodeConfig(method=method, max_new_tokens=1, capture=mode)):
                 pass
-            state = self.states.acquire(batch_bucket(size, exact=False))
+            state = self.states.acquire(batch_bucket(size, exact=mode is CaptureMode.COMPILE))
             try:
                 for tree in kinds:
                     rows = self.tables.num_rows if tree else 1
-                    embeds = self.prompt_embeds() if tree else None
-                    for width in capture_widths(rows, min(max_width or state.capacity, state.capacity)):
-                        with torch.no_grad():
-                            runner.graph(self.tables if tree else None, embeds, state,
-                                         StepKind(tree=tree, greedy=greedy, top_p=False), width)
+                    widths = capture_widths(rows, min(max_width or state.capacity, state.capacity))
+                    with torch.no_grad():
+                        runner.prepare(self.tables if tree else None, self.prompt_embeds() if tree else None,
+                                       state, StepKind(tree=tree, greedy=greedy, top_p=False), widths)
             finally:
                 self.states.release(state)
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
 
     # ------------------------------------------------------------------ public API

@@ -47,6 +47,10 @@ def test_compiled_step_equals_eager_step_without_graph_breaks_or_recompiles():
         eager = _outputs(decoder, requests, method=method, capture="eager")
         assert _outputs(decoder, requests, method=method, capture="compile") == eager
     assert _compiled_variants() == 2  # tree step and one-row step, every width and prompt length
+    # Ahead-of-time preparation, also for a decoder without prompt tokens (which can only run the baseline).
+    baseline_only = Decoder(model, max_seq_len=200)
+    assert baseline_only.warmup(methods=["baseline"], capture="compile") > 0 and len(baseline_only.captures) == 1
+    assert _outputs(baseline_only, requests, method="baseline", capture="compile") == eager
     sampled = dict(method="ppd", temperature=0.8, top_p=0.9, seed=5)
     assert _outputs(decoder, requests[:2], capture="compile", **sampled) == _outputs(decoder, requests[:2], **sampled)
 

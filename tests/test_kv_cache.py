@@ -56,8 +56,8 @@ def test_compacted_cache_equals_a_fresh_forward():
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
     offsets = torch.tensor([0, 1, 1, 2])
     model(input_ids=tokens, attention_mask=step_mask(tree, lengths, torch.arange(L + 4), torch.float32),
-          position_ids=lengths[:, None] + offsets, past_key_values=buffer.view(lengths[:, None] + torch.arange(4), L + 4),
-          use_cache=True)
+          position_ids=lengths[:, None] + offsets,
+          past_key_values=buffer.view(lengths[:, None] + torch.arange(4), L + 4), use_cache=True)
     buffer.compact(lengths[:, None] + torch.tensor([[0, 2, 3]]), lengths)
 
     committed = torch.cat([prefix, torch.tensor([[9, 6, 7]])], dim=1)

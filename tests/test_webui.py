@@ -107,6 +107,7 @@ def test_engine_streams_the_greedy_answer_with_and_without_ppd(engine):
     baseline = engine.reply(history, use_ppd=False, max_new_tokens=40)
     assert baseline.method == "baseline" and baseline.token_ids == final.token_ids and baseline.text == final.text
     assert not any(guess for _, guess in baseline.pieces) and baseline.steps == 39  # the prefill gives the first
+    assert len(engine.decoder.states.allocated) == 1  # every message reuses the one cache (and its graphs)
 
 
 def test_engine_rejects_empty_and_too_long_messages(engine):

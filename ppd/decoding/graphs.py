@@ -30,7 +30,8 @@ WARMUP_RUNS = 2
 
 @dataclass
 class Capture:
-    """One captured graph: what it is for and how long compiling and capturing took."""
+    """One captured graph (or, without graphs, one compiled step): what it is for and how long compiling and
+    capturing took."""
 
     kind: StepKind
     batch_size: int
@@ -68,13 +69,14 @@ def compiled_step(mode: str | None):
 
 
 def _mark_tree_sizes(tables: TreeTables, prompt_embeds: torch.Tensor) -> None:
-    mark = torch._dynamo.maybe_mark_dynamic
-    for tensor, dims in ((tables.candidate_index, (1,)), (tables.parent_row, (1,)), (tables.prompt_index, (1,)),
-                         (tables.position_offset, (1,)), (tables.allowed, (1, 2)),
-                         (tables.retrieve_indices, (1, 2)), (tables.retrieve_valid, (1, 2)), (tables.node_prompt_rows, (1,)),
-                         (tables.node_prompt_count, (1,)), (prompt_embeds, (1,))):
+    """Tree rows, candidates, prompt rows, paths and depth vary between tree sets: keep them symbolic."""
+    sized = [(tables.candidate_index, (1,)), (tables.parent_row, (1,)), (tables.prompt_index, (1,)),
+             (tables.position_offset, (1,)), (tables.allowed, (1, 2)), (tables.retrieve_indices, (1, 2)),
+             (tables.retrieve_valid, (1, 2)), (tables.node_prompt_rows, (1,)), (tables.node_prompt_count, (1,)),
+             (prompt_embeds, (1,))]
+    for tensor, dims in sized:
         for dim in dims:
-            mark(tensor, dim)
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
 
 class StepRunner:
@@ -116,6 +118,20 @@ class StepRunner:
             self.graph(tables, prompt_embeds, state, kind, width).replay()
         else:
             self._call(tables, prompt_embeds, state, kind, width)
+
+    def prepare(self, tables, prompt_embeds, state: DecodeState, kind: StepKind, widths: list[int]) -> None:
+        """Do ahead of time what the first steps of this kind would do: capture a graph for every width, or,
+        for a compiled step without graphs, compile it (one variant serves every width). The state is left
+        as it was."""
+        if self.mode in (CaptureMode.GRAPH, CaptureMode.COMPILED_GRAPH):
+            for width in widths:
+                self.graph(tables, prompt_embeds, state, kind, width)
+        elif self.mode is not CaptureMode.EAGER:
+            start = time.perf_counter()
+            saved = state.snapshot()
+            self._call(tables, prompt_embeds, state, kind, widths[0])
+            state.restore(saved)
+            self.captures.append(Capture(kind, state.batch_size, widths[0], time.perf_counter() - start))
 
     def graph(self, tables, prompt_embeds, state: DecodeState, kind: StepKind, width: int) -> torch.cuda.CUDAGraph:
         """The CUDA graph of this step, captured on first use."""

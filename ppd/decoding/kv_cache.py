@@ -36,7 +36,7 @@ class KVBuffer:
 
     @property
     def allocated(self) -> bool:
-        return bool(self.keys)
+        return len(self.keys) > 0
 
     def allocate(self, like: torch.Tensor) -> None:
         """Allocate from the first layer's new keys ``like`` [b, H, T, D] (any head count and head size)."""

@@ -4,8 +4,8 @@ One PPD step (REFERENCE section 3) in Medusa's vocabulary:
 ``generate_candidates -> tree_decoding -> evaluate_posterior -> update_inference_inputs``, plus the stopping
 rules, all on the device: row b reads its own tree ``tables[key[b]]``, the forward attends over the first
 ``width`` cache slots, logits are computed only for the node rows (acceptance) and for the prompt rows of
-each row's last accepted node (the next guesses), the accepted path's KV entries move down in one
-gather/scatter for every layer, and EOS and token limits are decided here. Every input and output lives in
+each row's last accepted node (the next guesses), the accepted path's KV entries move down in place (one
+indexed copy per layer buffer), and EOS and token limits are decided here. Every input and output lives in
 a :class:`~ppd.decoding.state.DecodeState`, so the function allocates nothing the host has to know about
 and can be compiled (``torch.compile(fullgraph=True)``) and captured in a CUDA graph as it is.
 
@@ -152,21 +152,6 @@ def evaluate_posterior(tables: TreeTables | None, state: DecodeState, rows: Cand
     return tables.retrieve_indices[key][batch, best], accepted
 
 
-def decode_step(lm: LanguageModel, tables: TreeTables | None, prompt_embeds: torch.Tensor | None,
-                state: DecodeState, kind: StepKind, slot_ids: torch.Tensor) -> None:
-    """One step for every row of ``state``; everything it produces is written into ``state``.
-
-    ``slot_ids`` (``state.slot_ids[:W]``) are the cache slots attention sees: the step's width comes from
-    its shape, so one compiled step serves every width.
-    """
-    rows = generate_candidates(lm, tables, prompt_embeds, state)
-    hidden = tree_decoding(lm, state, rows, slot_ids)
-    num_nodes = rows.node_tokens.shape[1]
-    node_logits = lm.logits(hidden[:, :num_nodes])  # [B, 1 + C, vocab]: the only logits acceptance reads
-    path, accepted = evaluate_posterior(tables, state, rows, node_logits, kind.greedy)
-    update_inference_inputs(lm, tables, state, kind, rows, hidden, node_logits, path, accepted)
-
-
 def update_inference_inputs(lm: LanguageModel, tables: TreeTables | None, state: DecodeState, kind: StepKind,
                             rows: Candidates, hidden: torch.Tensor, node_logits: torch.Tensor, path: torch.Tensor,
                             accepted: torch.Tensor) -> None:
@@ -195,3 +180,18 @@ def update_inference_inputs(lm: LanguageModel, tables: TreeTables | None, state:
     state.root.copy_(torch.where(running, new_root, state.root))
     committed = torch.where(running, accepted + 1, 0)
     _finish(state, emitted, committed, committed, accepted)
+
+
+def decode_step(lm: LanguageModel, tables: TreeTables | None, prompt_embeds: torch.Tensor | None,
+                state: DecodeState, kind: StepKind, slot_ids: torch.Tensor) -> None:
+    """One step for every row of ``state``; everything it produces is written into ``state``.
+
+    ``slot_ids`` (``state.slot_ids[:W]``) are the cache slots attention sees: the step's width comes from
+    its shape, so one compiled step serves every width.
+    """
+    rows = generate_candidates(lm, tables, prompt_embeds, state)
+    hidden = tree_decoding(lm, state, rows, slot_ids)
+    num_nodes = rows.node_tokens.shape[1]
+    node_logits = lm.logits(hidden[:, :num_nodes])  # [B, 1 + C, vocab]: the only logits acceptance reads
+    path, accepted = evaluate_posterior(tables, state, rows, node_logits, kind.greedy)
+    update_inference_inputs(lm, tables, state, kind, rows, hidden, node_logits, path, accepted)
