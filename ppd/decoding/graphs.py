@@ -142,14 +142,6 @@ class StepRunner:
             self._graphs[key] = found  # the objects are kept alive so that their ids are not reused
         return found[0]
 
-    def forget(self, state: DecodeState) -> None:
-        """Drop the graphs of a state that is going away."""
-        self._graphs = {k: v for k, v in self._graphs.items() if v[1][0] is not state}
-
-    @property
-    def capture_seconds(self) -> float:
-        return sum(c.seconds for c in self.captures)
-
     # ------------------------------------------------------------------ capture
     def _capture(self, tables, prompt_embeds, state: DecodeState, kind: StepKind, width: int) -> torch.cuda.CUDAGraph:
         start = time.perf_counter()

@@ -63,8 +63,6 @@ class KVBuffer:
         for buffer in self.buffers():
             buffer[rows, :, dst] = buffer[rows, :, src]  # [B, M, H, D] read, then written
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.buffers())
 
 
 class CacheView(Cache):

@@ -59,10 +59,6 @@ class DecodeState:
         # Slot numbers 0..capacity-1; a step attends over a prefix of them (its width).
         self.slot_ids = torch.arange(capacity, device=device)
 
-    @property
-    def finished(self) -> torch.Tensor:
-        return self.reason != RUNNING
-
     def small_tensors(self) -> list[torch.Tensor]:
         """Every buffer a step changes except the KV cache, whose changes past ``lengths`` are stale anyway."""
         return [self.lengths, self.root, self.guesses, self.key, self.generated, self.reason, self.report,

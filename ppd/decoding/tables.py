@@ -39,10 +39,6 @@ class TreeTables:
     node_prompt_count: torch.Tensor  # long [N+1, 1+C]: prompt tokens attached to each node (the next key)
     max_offset: int  # largest position offset of any row of any tree
 
-    @property
-    def num_prompt_rows(self) -> int:
-        return self.num_rows - 1 - self.num_candidates
-
     @classmethod
     def build(cls, trees: TreeSet, num_ensemble: int, attention_type: AttentionType | str,
               device: torch.device | str = "cpu") -> "TreeTables":
