@@ -73,8 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         loaded = load_decoder(args)
         decoder, source = loaded.decoder, loaded.info.model_id
-    decoders = {name: Decoder(decoder.model, decoder.prompt_tokens, TreeSet.load(name), decoder.eos_token_ids,
-                              max_seq_len=args.max_seq_len) for name in args.trees} or {"adapter's tree": decoder}
+    decoders = {name: decoder.with_trees(TreeSet.load(name)) for name in args.trees} or {"adapter's tree": decoder}
     start = time.perf_counter()
     results = []
     for mode in args.modes:

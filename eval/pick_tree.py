@@ -26,7 +26,6 @@ from pathlib import Path
 import torch
 
 from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_decoder
-from ppd.decoder import Decoder
 from ppd.prompt_tokens import packaged_adapter
 from ppd.tree import TreeSet
 from ppd.tree_builder import expected_tokens_per_step
@@ -63,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
               "eval.build_trees)", file=sys.stderr)
         return 2
     modes = args.captures or [args.capture]
+    decoders = {name: decoder.with_trees(trees) for name, trees in sets.items()}
     rows = []
     with torch.no_grad():
         for mode in modes:
@@ -71,9 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                          "latency_s": one_row["step_ms"] / 1e3, "capture_s": one_row["capture_s"],
                          "tokens_per_s": 1e3 / one_row["step_ms"]})
             for name, trees in sets.items():
-                tree_decoder = Decoder(loaded.model, decoder.prompt_tokens, trees, decoder.eos_token_ids,
-                                       max_seq_len=args.max_seq_len)
-                timed = step_time(tree_decoder, "ppd", args.context, args.steps, mode)
+                timed = step_time(decoders[name], "ppd", args.context, args.steps, mode)
                 expected = expected_tokens_per_step(trees.trees[trees.num_prompt_tokens], trees.metadata["accuracy"])
                 latency = timed["step_ms"] / 1e3
                 rows.append({"tree": name, "capture": mode, "rows": timed["rows"], "expected_tokens": expected,

@@ -74,8 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                     args.capture)})
         for name in args.trees or [None]:
             if name is not None:
-                decoder = Decoder(loaded.model, decoder.prompt_tokens, TreeSet.load(name), decoder.eos_token_ids,
-                                  max_seq_len=args.max_seq_len)
+                decoder = loaded.decoder.with_trees(TreeSet.load(name))
             results.append({"tree": name or loaded.tree, **step_time(decoder, "ppd", args.context, args.steps,
                                                                      args.capture)})
     print("| tree | rows | step ms | capture s |\n|---|---|---|---|")

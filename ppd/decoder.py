@@ -152,6 +152,10 @@ class Decoder:
         return DecodeState(self.model.config.num_hidden_layers, batch_size, self.capacity + rows, n_prompt,
                            t.top_k if t else 0, n_prompt + 1, MAX_EOS_IDS, self.device)
 
+    def with_trees(self, trees: TreeSet) -> "Decoder":
+        """A decoder of the same model, prompt tokens, EOS ids and cache size over another tree set."""
+        return Decoder(self.model, self.prompt_tokens, trees, self.eos_token_ids, max_seq_len=self.capacity)
+
     def prompt_embeds(self) -> torch.Tensor:
         """Each tree's prompt-token rows [N + 1, prompt rows, hidden] in the model's dtype, made once."""
         if self._prompt_embeds is None or self._prompt_embeds.dtype != self.dtype:

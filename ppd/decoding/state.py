@@ -74,7 +74,7 @@ class DecodeState:
     def reset(self, rows: int, limits: list[int], limit_reasons: list[int], eos: list[int], seed: int,
               temperature: float, top_p: float, posterior_threshold: float, posterior_alpha: float) -> None:
         """Prepare for a request of ``rows`` real rows (the rest of the bucket is padding, finished at once)."""
-        B, device = self.batch_size, self.device
+        B = self.batch_size
         pad = B - rows
 
         def put(buffer: torch.Tensor, values: list) -> None:
