@@ -64,7 +64,13 @@ def compiled_step(mode: str | None):
     decoder of the process: torch keeps one compiled variant per step kind and shapes, guarded, and a second
     decoder of the same model and trees reuses them instead of compiling again."""
     if mode not in _COMPILED:
-        _COMPILED[mode] = torch.compile(decode_step, fullgraph=True, mode=mode)
+        options = {"triton.cudagraphs": True} if mode == "reduce-overhead" else {}  # what the mode sets
+        if hasattr(torch._inductor.config.triton, "coalesce_tiling_analysis"):
+            # Inductor's coalescing analysis (on by default outside Meta) fails an internal assertion on
+            # this step's symbolic sizes once the batch is larger than one (seen with torch 2.11 on an
+            # H200); without it Inductor picks tilings as it did before the analysis existed.
+            options["triton.coalesce_tiling_analysis"] = False
+        _COMPILED[mode] = torch.compile(decode_step, fullgraph=True, options=options)
     return _COMPILED[mode]
 
 
