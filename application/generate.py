@@ -16,7 +16,8 @@ import json
 import sys
 
 from ppd.chat import chat_input_ids, plain_input_ids
-from ppd.cli import add_adapter_args, add_decode_args, add_engine_args, add_model_args, decode_config, load_decoder
+from ppd.cli import (add_adapter_args, add_decode_args, add_engine_args, add_model_args, decode_config,
+                     load_decoder_or_exit)
 from ppd.decoder import PromptTooLongError
 
 
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    loaded = load_decoder(args, with_prompt_tokens=args.method == "ppd")
+    loaded = load_decoder_or_exit(args, with_prompt_tokens=args.method == "ppd")
     tokenizer = loaded.tokenizer
     if args.raw:
         ids = plain_input_ids(tokenizer, args.prompt)

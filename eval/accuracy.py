@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from ppd.cli import add_adapter_args, add_model_args, load_decoder
+from ppd.cli import add_adapter_args, add_model_args, load_decoder_or_exit
 from ppd.dataset_info import PPDDatasetInfo
 from ppd.training import PromptTokenCollator, accuracy_targets, PromptTokenModel, heldout_split, rank_accuracy
 
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     import datasets
 
     args = make_parser().parse_args(argv)
-    loaded = load_decoder(args)
+    loaded = load_decoder_or_exit(args)
     dataset = datasets.load_from_disk(args.dataset)
     info = PPDDatasetInfo.of(dataset)
     info.check_model(loaded.info.model_id)

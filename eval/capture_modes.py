@@ -22,7 +22,7 @@ import traceback
 
 import torch
 
-from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_decoder
+from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_decoder_or_exit
 from ppd.config import CaptureMode, PromptTokenConfig
 from ppd.decoder import Decoder
 from ppd.models import default_device, resolve_dtype
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.random_weights:
         decoder, source = _random_decoder(args)
     else:
-        loaded = load_decoder(args)
+        loaded = load_decoder_or_exit(args)
         decoder, source = loaded.decoder, loaded.info.model_id
     decoders = {name: decoder.with_trees(TreeSet.load(name)) for name in args.trees} or {"adapter's tree": decoder}
     start = time.perf_counter()

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_decoder
+from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_decoder_or_exit
 from ppd.prompt_tokens import packaged_adapter
 from ppd.tree import TreeSet
 from ppd.tree_builder import expected_tokens_per_step
@@ -52,7 +52,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
-    loaded = load_decoder(args)
+    loaded = load_decoder_or_exit(args)
     decoder = loaded.decoder
     device = decoder.device
     sets = {name: TreeSet.load(name) for name in args.trees}

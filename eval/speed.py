@@ -21,7 +21,7 @@ import time
 import torch
 
 from ppd.chat import chat_input_ids
-from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_decoder
+from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_decoder_or_exit
 from ppd.config import DecodeConfig
 
 from .records import environment, write_json
@@ -60,7 +60,7 @@ def _hf_generate(model, ids: list[int], max_new_tokens: int, static: bool) -> tu
 
 
 def run(args: argparse.Namespace) -> dict:
-    loaded = load_decoder(args, with_prompt_tokens="ppd" in args.methods)
+    loaded = load_decoder_or_exit(args, with_prompt_tokens="ppd" in args.methods)
     prompts = args.prompt or DEFAULT_PROMPTS
     inputs = [chat_input_ids(loaded.tokenizer, [{"role": "user", "content": p}]) for p in prompts]
     records = []

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_decoder
+from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_decoder_or_exit
 from ppd.config import DecodeConfig
 from ppd.decoder import Decoder
 from ppd.tree import TreeSet
@@ -65,7 +65,7 @@ def step_time(decoder: Decoder, method: str, context: int, steps: int, capture: 
 
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
-    loaded = load_decoder(args)
+    loaded = load_decoder_or_exit(args)
     decoder = loaded.decoder
     results = []
     with torch.no_grad():

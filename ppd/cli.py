@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,17 +96,27 @@ def load_prompt_tokens(model, tokenizer, info: ModelInfo, adapter: str | None
 
 
 def load_decoder(args: argparse.Namespace, with_prompt_tokens: bool = True) -> Loaded:
+    """The model, its prompt tokens and tree set as the common flags ask, in one decoder. What the user
+    names is read first (``--adapter``, ``--tree``), so that a bad file fails before the model loads."""
+    adapter = getattr(args, "adapter", None) if with_prompt_tokens else None
+    tree = getattr(args, "tree", None) if with_prompt_tokens else None
+    given_tokens = PromptTokens.from_pretrained(adapter) if adapter else None
+    given_trees = TreeSet.load(tree) if tree else None
     model, tokenizer, info = load_model(
         args.model, device=args.device, dtype=args.dtype,
         load_in_4bit=getattr(args, "load_in_4bit", False), load_in_8bit=getattr(args, "load_in_8bit", False),
     )
     prompt_tokens, source, adapter_dir, trees, tree_source = None, "none", None, None, "none"
     if with_prompt_tokens:
-        prompt_tokens, source, adapter_dir = load_prompt_tokens(model, tokenizer, info, getattr(args, "adapter", None))
+        if given_tokens is not None:
+            given_tokens.check_compatible(model)
+            prompt_tokens, source, adapter_dir = given_tokens, str(Path(adapter)), Path(adapter)
+        else:
+            prompt_tokens, source, adapter_dir = load_prompt_tokens(model, tokenizer, info, None)
         weight = model.get_input_embeddings().weight
         device_type, dtype = weight.device.type, str(weight.dtype).removeprefix("torch.")
-        if getattr(args, "tree", None):
-            trees, tree_source = TreeSet.load(args.tree), str(args.tree)
+        if given_trees is not None:
+            trees, tree_source = given_trees, str(tree)
         elif adapter_dir is not None and (path := TreeSet.adapter_file(adapter_dir, device_type, dtype)) is not None:
             trees, tree_source = TreeSet.load(path), f"{source}:{path.name}"
         else:
@@ -113,3 +124,18 @@ def load_decoder(args: argparse.Namespace, with_prompt_tokens: bool = True) -> L
     decoder = Decoder(model, prompt_tokens, trees, eos_token_ids=eos_ids_of(model, tokenizer),
                       max_seq_len=getattr(args, "max_seq_len", None))
     return Loaded(model, tokenizer, info, decoder, source, tree_source)
+
+
+# What a model, adapter or tree set that cannot be loaded as asked raises: a missing or damaged file, a hub
+# id that cannot be reached (OSError), a mismatch or an impossible setting (ValueError).
+LOAD_ERRORS = (OSError, ValueError)
+
+
+def load_decoder_or_exit(args: argparse.Namespace, with_prompt_tokens: bool = True) -> Loaded:
+    """:func:`load_decoder` for a program's ``main``: what cannot be loaded ends the program with one line
+    naming it (exit status 2), not a traceback."""
+    try:
+        return load_decoder(args, with_prompt_tokens)
+    except LOAD_ERRORS as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -8,6 +8,7 @@ fails where it is made, with a message naming the field.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 # Bumped when the on-disk adapter layout changes in a way older readers cannot follow.
@@ -115,10 +116,16 @@ class DecodeConfig:
         self.capture = CaptureMode(self.capture)
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        # Typical acceptance takes a guess whose probability exceeds min(threshold, alpha * exp(-entropy)):
+        # a bound of 0 or below would accept every guess, whatever the model thinks of it.
+        if not 0 < self.posterior_threshold <= 1:
+            raise ValueError(f"posterior_threshold must be in (0, 1], got {self.posterior_threshold}")
+        if not (math.isfinite(self.posterior_alpha) and self.posterior_alpha > 0):
+            raise ValueError(f"posterior_alpha must be a finite number > 0, got {self.posterior_alpha}")
 
     @property
     def greedy(self) -> bool:

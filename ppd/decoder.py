@@ -118,6 +118,10 @@ class Decoder:
                     f"the tree set is built for N={trees.num_prompt_tokens} prompt tokens, "
                     f"the adapter has N={prompt_tokens.num_prompt_tokens}"
                 )
+            vocab = self.model.get_output_embeddings().weight.shape[0]
+            if trees.top_k > vocab:
+                raise ValueError(f"the tree set guesses from the top-{trees.top_k} tokens, more than the model's "
+                                 f"vocabulary of {vocab}")
             self.tables = TreeTables.build(trees, prompt_tokens.num_ensemble, prompt_tokens.config.attention_type,
                                            self.device)
         self.trees = trees

@@ -14,6 +14,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -24,6 +25,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 CACHE_ENV = "PPD_CACHE_DIR"
+# What the Hugging Face Hub accepts as a repository id: "name" or "org/name". Anything else that is not an
+# existing path (an absolute path, "./x", "a/b/c") is a folder that is missing.
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 
 
 @dataclass(frozen=True)
@@ -162,7 +166,10 @@ def resolve_model(name_or_path: str) -> tuple[str, ModelInfo]:
         return str(path), ModelInfo(str(path.resolve()), "local", str(path))
     if path.exists():
         raise ValueError(f"{name_or_path} is a file; pass a model folder, a hub id or one of {sorted(EMBEDDED_MODELS)}")
-    # Anything else is taken as a hub id; from_pretrained says clearly when it cannot be reached.
+    if not HUB_ID.fullmatch(name_or_path):
+        raise FileNotFoundError(f"model folder {name_or_path} does not exist (and it is not a hub id of the form "
+                                f"'org/name', nor one of {sorted(EMBEDDED_MODELS)})")
+    # A hub id; from_pretrained says when it cannot be reached.
     return name_or_path, ModelInfo(name_or_path, "main", name_or_path)
 
 
@@ -191,6 +198,8 @@ def load_model(
     if load_in_4bit and load_in_8bit:
         raise ValueError("choose at most one of load_in_4bit and load_in_8bit")
     device = torch.device(device) if device is not None else default_device()
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device} was asked for, but this torch sees no CUDA device; use --device cpu")
     torch_dtype = resolve_dtype(dtype, device)
     path, info = resolve_model(name_or_path)
     kwargs: dict = {"dtype": torch_dtype, "attn_implementation": attn_implementation}

@@ -85,6 +85,7 @@ class PromptTokens(nn.Module):
 
     def save_pretrained(self, directory: str | Path) -> None:
         """Write the adapter directory atomically (a reader never sees half an adapter)."""
+        _check_finite(self.embeddings.detach(), "refusing to save prompt tokens with")
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         config = json.dumps(self.config.to_dict(), indent=2, sort_keys=True) + "\n"
@@ -112,13 +113,27 @@ class PromptTokens(nn.Module):
             raise ValueError(
                 f"{directory} has adapter format {config.format_version}; this ppd reads up to {ADAPTER_FORMAT_VERSION}"
             )
-        tensors = load_file(str(weights_path))
+        try:
+            tensors = load_file(str(weights_path))
+        except Exception as err:  # safetensors raises its own error type, naming no file
+            raise ValueError(f"{weights_path} cannot be read as a safetensors file (truncated or damaged?): "
+                             f"{err}") from err
         if TENSOR_NAME not in tensors:
             raise ValueError(f"{weights_path} holds no {TENSOR_NAME!r} tensor (found {sorted(tensors)})")
+        _check_finite(tensors[TENSOR_NAME], f"{weights_path} holds")
         tokens = cls(config, tensors[TENSOR_NAME])
         if model is not None:
             tokens.check_compatible(model)
         return tokens
+
+
+def _check_finite(embeddings: torch.Tensor, where: str) -> None:
+    """A single NaN or inf in the prompt rows reaches the real rows of the same forward and turns lossless
+    decoding into garbage, so damaged prompt tokens are refused where they are read or written."""
+    bad = int((~torch.isfinite(embeddings)).sum())
+    if bad:
+        raise ValueError(f"{where} {bad} of {embeddings.numel()} prompt-token values that are not finite "
+                         "(NaN or inf): the adapter is damaged, or came from a training run that diverged")
 
 
 def packaged_adapter(model_id: str) -> Path | None:

@@ -135,9 +135,12 @@ class TreeSet:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as err:
             raise ValueError(f"{path} is not valid JSON: {err}") from err
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} is not a ppd tree file: it holds a JSON {type(data).__name__}, not an object "
+                             "with num_prompt_tokens, top_k and trees")
         try:
             return cls.from_json(data)
-        except (KeyError, TypeError) as err:
+        except (KeyError, TypeError, AttributeError) as err:
             raise ValueError(f"{path} is not a ppd tree file: missing or malformed {err}") from err
 
     @staticmethod

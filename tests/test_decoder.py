@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from ppd import DecodeConfig, Decoder, PromptTooLongError
+from ppd import DecodeConfig, Decoder, PromptTooLongError, Tree, TreeSet
 from tests.conftest import random_prompt_tokens, random_tree_set, tiny_model
 
 
@@ -125,3 +125,26 @@ def test_tree_set_must_match_the_adapter():
     model = tiny_model()
     with pytest.raises(ValueError, match="N=3 prompt tokens, the adapter has N=2"):
         Decoder(model, random_prompt_tokens(model, n=2), random_tree_set(seed=0))
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(temperature=float("nan")), "temperature must be a finite number"),
+    (dict(temperature=float("inf")), "temperature must be a finite number"),
+    (dict(temperature=-0.5), "temperature must be a finite number"),
+    (dict(top_p=float("nan")), "top_p must be in"),
+    (dict(posterior_threshold=-0.1), "posterior_threshold must be in"),
+    (dict(posterior_threshold=float("nan")), "posterior_threshold must be in"),
+    (dict(posterior_alpha=-1.0), "posterior_alpha must be a finite number > 0"),
+    (dict(posterior_alpha=0.0), "posterior_alpha must be a finite number > 0"),
+])
+def test_impossible_decoding_settings_are_refused(settings, message):
+    with pytest.raises(ValueError, match=message):
+        DecodeConfig(**settings)
+
+
+def test_a_tree_guessing_past_the_vocabulary_is_refused_at_construction():
+    model = tiny_model()  # a vocabulary of 24 tokens
+    tree = Tree(paths=((0,), (29,)), prompt_tokens=(1, 1), root_prompt_tokens=1)
+    trees = TreeSet(num_prompt_tokens=1, top_k=30, trees={1: tree})
+    with pytest.raises(ValueError, match="top-30 tokens, more than the model's vocabulary of 24"):
+        Decoder(model, random_prompt_tokens(model, n=1), trees)

@@ -94,3 +94,28 @@ def test_a_tree_for_the_dtype_comes_before_the_device_tree(tmp_path):
     assert TreeSet.for_adapter(tmp_path, "cuda", "bfloat16") == bf16_tree
     assert TreeSet.for_adapter(tmp_path, "cuda", "float32") == device_tree
     assert TreeSet.for_adapter(tmp_path, "cuda") == device_tree
+
+
+def test_non_finite_prompt_tokens_are_refused_on_load_and_save(tmp_path):
+    model = tiny_model()
+    tokens = random_prompt_tokens(model)
+    tokens.save_pretrained(tmp_path)
+    weights = load_file(str(tmp_path / WEIGHTS_NAME))["embeddings"]
+    weights[2, 5] = float("nan")  # one damaged value is enough to corrupt every real row of a forward
+    from safetensors.torch import save_file
+    save_file({"embeddings": weights}, str(tmp_path / WEIGHTS_NAME))
+    with pytest.raises(ValueError, match="holds 1 of 96 prompt-token values that are not finite"):
+        PromptTokens.from_pretrained(tmp_path, model)
+    with torch.no_grad():
+        tokens.embeddings[0, 0] = float("inf")
+    with pytest.raises(ValueError, match="refusing to save"):
+        tokens.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out" / WEIGHTS_NAME).exists()
+
+
+def test_a_truncated_weights_file_is_named(tmp_path):
+    random_prompt_tokens(tiny_model()).save_pretrained(tmp_path)
+    path = tmp_path / WEIGHTS_NAME
+    path.write_bytes(path.read_bytes()[:40])
+    with pytest.raises(ValueError, match=f"{WEIGHTS_NAME} cannot be read as a safetensors file"):
+        PromptTokens.from_pretrained(tmp_path)

@@ -78,6 +78,9 @@ def test_tree_file_errors_are_clear(tmp_path):
     bad.write_text(json.dumps({"top_k": 3}))
     with pytest.raises(ValueError, match="not a ppd tree file"):
         TreeSet.load(bad)
+    bad.write_text(json.dumps([[0], [0, 0]]))  # a list of paths, not a tree set
+    with pytest.raises(ValueError, match="holds a JSON list, not an object"):
+        TreeSet.load(bad)
 
 
 def test_packaged_default_trees_load():
