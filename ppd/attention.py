@@ -9,9 +9,52 @@ Row layout of a prompt-token block: row ``k * V + j`` is copy ``j`` of prompt to
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .config import AttentionType
+
+FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' names for a layer's attention
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """Which attention each layer runs, read from the model's config the way transformers reads it: the
+    config's ``layer_types`` where it has them, else a ``sliding_window`` on every layer (as Mistral's model
+    applies it) or full attention everywhere. A sliding layer at position p sees keys at positions
+    ``(p - window, p]``; every mask below takes its layer kind's window and the model receives one mask per
+    kind (:meth:`pack`)."""
+
+    layer_types: tuple[str, ...]
+    window: int | None
+
+    @classmethod
+    def of(cls, config) -> "LayerAttention":
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        window = getattr(config, "sliding_window", None)
+        types = getattr(config, "layer_types", None)
+        if types is None:
+            types = [SLIDING if window is not None else FULL] * config.num_hidden_layers
+        unknown = sorted(set(types) - {FULL, SLIDING})
+        if unknown:
+            raise ValueError(f"this model has layers of attention type {', '.join(unknown)}; ppd's tree masks "
+                             f"support only {FULL} and {SLIDING}")
+        if getattr(config, "use_bidirectional_attention", False) or getattr(config, "is_causal", True) is False:
+            raise ValueError("this model's attention is bidirectional; ppd decodes causal language models only")
+        if SLIDING in types and not (isinstance(window, int) and window >= 1):
+            raise ValueError(f"the config has sliding-attention layers but its sliding_window is {window!r}")
+        return cls(tuple(types), window if SLIDING in types else None)
+
+    @property
+    def kinds(self) -> dict[str, int | None]:
+        """Each attention kind the model uses, with its window (None: the whole prefix)."""
+        return {kind: (self.window if kind == SLIDING else None) for kind in dict.fromkeys(self.layer_types)}
+
+    def pack(self, masks: dict[str, torch.Tensor]) -> torch.Tensor | dict[str, torch.Tensor]:
+        """What the model's ``attention_mask`` takes: the mask itself where every layer runs the same kind,
+        else transformers' per-kind mapping, which models with mixed layers read as it is."""
+        return next(iter(masks.values())) if len(masks) == 1 else masks
 
 
 def prompt_block_mask(num_tokens: int, num_ensemble: int, attention_type: AttentionType | str) -> torch.Tensor:
@@ -70,20 +113,33 @@ def prefill_layout(
     return allowed, positions
 
 
+def within_window(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:
+    """bool [..., Q, K]: which keys a sliding layer of this ``window`` lets each query see."""
+    return query_positions[..., :, None] - key_positions[..., None, :] < window
+
+
 def step_mask(tree_allowed: torch.Tensor, lengths: torch.Tensor, slot_ids: torch.Tensor,
-              dtype: torch.dtype) -> torch.Tensor:
+              dtype: torch.dtype, offsets: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """Float mask [B, 1, T, W] for T new rows written at ``[L_b, L_b + T)`` of each row's cache.
 
     ``tree_allowed`` is bool [T, T] or, one tree per batch row, [B, T, T]; ``slot_ids`` long [W] are the
     cache slots attention sees (``0..W-1``). Every new row sees the committed prefix ``[0, L_b)``; among
     themselves the rows follow ``tree_allowed``; stale slots past ``L_b + T`` are hidden. The tree part is
-    fixed per tree, the prefix part comes from the lengths alone.
+    fixed per tree, the prefix part comes from the lengths alone. With a sliding ``window``, row q (at
+    position ``L_b + offsets[b, q]``) sees only keys less than ``window`` positions behind it: the prefix
+    slot s sits at position s, a tree row at its own offset.
     """
     batch, num_rows, width = lengths.shape[0], tree_allowed.shape[-1], slot_ids.shape[0]
     rel = slot_ids[None, :] - lengths[:, None]  # [B, W]
     in_prefix = rel < 0
     in_tree = (rel >= 0) & (rel < num_rows)
     columns = rel.clamp(0, num_rows - 1)[:, None, :].expand(batch, num_rows, width)
-    tree_part = tree_allowed.expand(batch, num_rows, num_rows).gather(2, columns)  # [B, T, W]
-    allowed = in_prefix[:, None, :] | (in_tree[:, None, :] & tree_part)
+    tree_allowed = tree_allowed.expand(batch, num_rows, num_rows)
+    prefix = in_prefix[:, None, :]  # [B, 1, W]
+    if window is not None:
+        offsets = offsets.expand(batch, num_rows)
+        tree_allowed = tree_allowed & within_window(offsets, offsets, window)
+        prefix = prefix & within_window(offsets, rel, window)  # positions relative to L_b on both sides
+    tree_part = tree_allowed.gather(2, columns)  # [B, T, W]
+    allowed = prefix | (in_tree[:, None, :] & tree_part)
     return to_additive(allowed[:, None], dtype)

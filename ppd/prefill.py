@@ -11,14 +11,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import prefill_layout, to_additive
+from .attention import LayerAttention, prefill_layout, to_additive, within_window
 from .config import AttentionType
 
 
 @dataclass
 class PrefillInputs:
     embeds: torch.Tensor  # [B, Q, hidden] in the model's dtype, prompt rows scattered in
-    mask: torch.Tensor  # additive float [B, 1, Q, Q]
+    mask: torch.Tensor | dict[str, torch.Tensor]  # additive float [B, 1, Q, Q], one per attention kind
     positions: torch.Tensor  # long [B, Q]
     lengths: torch.Tensor  # long [B], real tokens of each row
     keep: torch.Tensor  # long [S], the slots whose logits the model computes (``logits_to_keep``)
@@ -62,8 +62,10 @@ def build_prefill(model, batch: list[list[int]], prompt_table: torch.Tensor | No
     keep = sorted({slot for row in wanted for slot in row})
     index = {slot: i for i, slot in enumerate(keep)}
     where = torch.tensor([[index[slot] for slot in row] for row in wanted], device=device)
-    return PrefillInputs(embeds, to_additive(allowed[:, None], embeds.dtype), positions, length_t,
-                         torch.tensor(keep, device=device), where)
+    layers = LayerAttention.of(model.config)
+    masks = {kind: to_additive((allowed if window is None else allowed & within_window(positions, positions, window)
+                                )[:, None], embeds.dtype) for kind, window in layers.kinds.items()}
+    return PrefillInputs(embeds, layers.pack(masks), positions, length_t, torch.tensor(keep, device=device), where)
 
 
 def average_copies(prompt_logits: torch.Tensor, num_prompt_tokens: int, num_ensemble: int) -> torch.Tensor:

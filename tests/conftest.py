@@ -12,17 +12,31 @@ from ppd import PromptTokenConfig, PromptTokens, Tree, TreeSet
 TINY_VOCAB = 24
 
 
-def tiny_model(arch: str = "llama", vocab: int = TINY_VOCAB, seed: int = 0, max_positions: int = 512):
-    """A 2-layer causal LM with random weights. Small vocabularies make guesses often right."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+def tiny_model(arch: str = "llama", vocab: int = TINY_VOCAB, seed: int = 0, max_positions: int = 512,
+               window: int | None = None):
+    """A 2-layer causal LM with random weights. Small vocabularies make guesses often right. ``window``
+    turns on sliding-window attention where the architecture has it: every layer for Mistral, the second
+    layer for Qwen2 (``max_window_layers=1``) and Gemma 3, Gemma 2's own alternation."""
+    from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig,
+                              Qwen2Config)
 
     common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
                   tie_word_embeddings=False)
-    config = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch](**common)
-    config._attn_implementation = "sdpa"
+    if arch == "mistral" and window is not None:
+        common.update(sliding_window=window)
+    elif arch == "qwen2" and window is not None:
+        common.update(use_sliding_window=True, sliding_window=window, max_window_layers=1)
+    elif arch in ("gemma2", "gemma3"):
+        common.update(head_dim=8, query_pre_attn_scalar=8, sliding_window=window or 4096)
+        if arch == "gemma3":
+            common.update(layer_types=["sliding_attention", "full_attention"])
+    config = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "gemma2": Gemma2Config,
+              "gemma3": Gemma3TextConfig}[arch](**common)
+    attention = "eager" if arch == "gemma2" else "sdpa"  # transformers runs Gemma 2 (logit soft-capping) eagerly
+    config._attn_implementation = attention
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attention)
     # Sharper distributions than the default init, so greedy text repeats and guesses get accepted.
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(8.0)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..acceptance import accept_candidates, longest_accepted_path, sample_tokens
-from ..attention import step_mask
+from ..attention import LayerAttention, step_mask
 from ..prefill import average_copies
 from .state import EOS, REPORT_HEAD, RUNNING, DecodeState
 from .tables import TreeTables
@@ -33,6 +33,7 @@ class LanguageModel:
     embed: nn.Module
     body: nn.Module  # returns ``last_hidden_state`` (the final norm applied)
     head: nn.Module
+    layers: LayerAttention  # full or sliding attention, layer by layer
     softcap: float | None = None  # the config's ``final_logit_softcapping``, where the model has one
 
     @classmethod
@@ -40,7 +41,7 @@ class LanguageModel:
         body = model.base_model
         if body is model:
             raise ValueError(f"{type(model).__name__} exposes no base model under its head: not a causal LM")
-        return cls(model.get_input_embeddings(), body, model.get_output_embeddings(),
+        return cls(model.get_input_embeddings(), body, model.get_output_embeddings(), LayerAttention.of(model.config),
                    getattr(model.config, "final_logit_softcapping", None))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -132,8 +133,9 @@ def tree_decoding(lm: LanguageModel, state: DecodeState, rows: Candidates, slot_
     num_rows = rows.embeds.shape[1]
     positions = lengths[:, None] + rows.offsets
     slots = lengths[:, None] + torch.arange(num_rows, device=lengths.device)[None, :]
-    mask = step_mask(rows.allowed, lengths, slot_ids, rows.embeds.dtype)
-    return lm.body(inputs_embeds=rows.embeds, attention_mask=mask, position_ids=positions,
+    masks = {kind: step_mask(rows.allowed, lengths, slot_ids, rows.embeds.dtype, rows.offsets, window)
+             for kind, window in lm.layers.kinds.items()}
+    return lm.body(inputs_embeds=rows.embeds, attention_mask=lm.layers.pack(masks), position_ids=positions,
                    past_key_values=state.kv.view(slots, slot_ids.shape[0]), use_cache=True).last_hidden_state
 
 
