@@ -15,7 +15,10 @@ steps for every attention width first (``Decoder.warmup``; the seconds are recor
 and every method then runs ``--warmup`` untimed generations of the first prompt. ``hf_static`` also warms
 up on a prompt twice as long, so that torch has made the cache length dynamic before timing (transformers
 grows its static cache to the longest request seen). One JSON line per question, turn and run, appended as
-it is made: a run started again with the same ``--output`` skips what is already there.
+it is made: a run started again with the same ``--output`` skips what is already there. It must ask for the
+answers' settings (benchmark, method, model, adapter, tree, dtype, temperature, max_new_tokens and device;
+the capture mode may change): a file of other answers is an error, not a mix. Those that the arguments
+give are checked before the model loads, the adapter, tree, dtype and device once it has.
 """
 
 from __future__ import annotations
@@ -30,12 +33,12 @@ import torch
 from tqdm.auto import tqdm
 
 from ppd.chat import chat_input_ids, plain_input_ids
-from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_decoder
+from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_decoder_or_exit
 from ppd.config import DecodeConfig
 from ppd.decoder import eos_ids_of
 
 from .benchmarks import BENCHMARKS, DEFAULT_MAX_NEW_TOKENS, RAW_PROMPT, load_benchmark
-from .records import environment
+from .records import environment, recorded
 
 METHODS = ("ppd", "baseline", "hf_static", "hf", "pld")
 ENGINE_METHODS = ("ppd", "baseline")  # decoded by ppd's engine; the others by transformers' generate
@@ -74,9 +77,10 @@ class ForwardCounter:
 class Answerer:
     def __init__(self, args: argparse.Namespace):
         self.args = args
-        loaded = load_decoder(args, with_prompt_tokens=args.method == "ppd")
+        loaded = load_decoder_or_exit(args, with_prompt_tokens=args.method == "ppd")
         self.model, self.tokenizer, self.decoder = loaded.model, loaded.tokenizer, loaded.decoder
         self.adapter, self.tree = loaded.adapter, loaded.tree
+        self.dtype = str(self.model.dtype).removeprefix("torch.")
         self.device = self.model.get_input_embeddings().weight.device
         self.eos = sorted(eos_ids_of(self.model, self.tokenizer))
         self.counter = ForwardCounter(self.model) if args.method not in ENGINE_METHODS else None
@@ -161,12 +165,26 @@ def _done(path: Path) -> dict[tuple[str, int, int], dict]:
     return done
 
 
+def _other_settings(path: Path, records, wanted: dict) -> str | None:
+    """Why the answers already in ``path`` cannot be resumed with these settings, or None if they can."""
+    for record in records:
+        for field, value in wanted.items():
+            if (found := recorded(record, field)) != value:
+                return (f"{path} holds answers made with {field} {found!r}, but this run asks for {value!r}: "
+                        "choose another --output or remove the file")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
     if args.num_runs < 1 or args.warmup < 0 or args.offset < 0 or (args.limit is not None and args.limit < 1):
         parser.error("--num_runs and --limit must be >= 1, --warmup and --offset >= 0")
     max_new_tokens = args.max_new_tokens or DEFAULT_MAX_NEW_TOKENS[args.bench]
+    try:  # the decoding settings every method shares, checked before anything loads
+        DecodeConfig(max_new_tokens=max_new_tokens, temperature=args.temperature)
+    except ValueError as error:
+        parser.error(str(error))
     questions = load_benchmark(args.bench)
     if args.offset >= len(questions):
         parser.error(f"--offset {args.offset} is past the {len(questions)} questions of {args.bench}")
@@ -175,7 +193,17 @@ def main(argv: list[str] | None = None) -> int:
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     done = _done(output)
+    wanted = {"bench": args.bench, "method": args.method, "model": args.model, "temperature": args.temperature,
+              "max_new_tokens": max_new_tokens}
+    if problem := _other_settings(output, done.values(), wanted):  # checked before the model loads
+        print(f"gen_answers: error: {problem}", file=sys.stderr)
+        return 2
     answerer = Answerer(args)
+    wanted.update(adapter=answerer.adapter, tree=answerer.tree, dtype=answerer.dtype,
+                  device=answerer.environment["device"])
+    if problem := _other_settings(output, done.values(), wanted):
+        print(f"gen_answers: error: {problem}", file=sys.stderr)
+        return 2
 
     answerer.start()
     first = answerer.prompt_ids(args.bench, [{"role": "user", "content": questions[0].turns[0]}])
@@ -202,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                         record = {
                             "bench": args.bench, "question_id": question.question_id, "turn": turn, "run": run,
                             "method": args.method, "model": args.model, "adapter": answerer.adapter,
-                            "tree": answerer.tree, "dtype": str(answerer.model.dtype).removeprefix("torch."),
+                            "tree": answerer.tree, "dtype": answerer.dtype,
                             "capture": args.capture if args.method in ENGINE_METHODS else None,
                             "startup_s": answerer.startup_s,
                             "temperature": args.temperature, "max_new_tokens": max_new_tokens,

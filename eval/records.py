@@ -1,4 +1,5 @@
-"""What every benchmark record carries: the hardware and software it ran on, and an atomic JSON write."""
+"""What every benchmark record carries: the hardware and software it ran on, the run settings read back from
+it, and an atomic JSON write."""
 
 from __future__ import annotations
 
@@ -17,6 +18,15 @@ def environment(device: torch.device) -> dict:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     return {"device": name, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "transformers": transformers.__version__}
+
+
+UNKNOWN = "unknown"  # a setting that a record of an earlier run does not carry
+
+
+def recorded(record: dict, field: str):
+    """``record``'s value of a run setting (``device`` is read from its environment), or ``UNKNOWN``."""
+    value = (record.get("environment") or {}).get("device") if field == "device" else record.get(field)
+    return UNKNOWN if value is None else value
 
 
 def write_json(path: str | os.PathLike, record: dict) -> None:

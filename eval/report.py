@@ -8,6 +8,13 @@ Per benchmark, dtype and method: answers, tokens/s (sum of new tokens / sum of w
 ``baseline``, ``hf`` and ``pld`` on the same benchmark in the same dtype, the share of answers
 token-identical to the baseline's (same question, turn and run), HumanEval pass@1 (every completion run
 against its tests in its own process, with a time limit) and GSM8K accuracy.
+
+Only like is compared with like: within one benchmark and dtype, every method's answers must come from the
+same model, temperature, max_new_tokens and device, and within one method also from the same adapter and
+tree (PPD brings prompt tokens and a tree, the other methods have none). Answers that differ in any of these
+are refused with an error naming the field, its values and their files; a field that records of an earlier
+run lack counts as the value "unknown". Give such answers to separate reports. Input without answers (no
+file, only empty files) is an error too.
 """
 
 from __future__ import annotations
@@ -21,10 +28,14 @@ from pathlib import Path
 
 from .benchmarks import load_benchmark
 from .grading import gsm8k_correct, humaneval_completion, humaneval_passes
-from .records import write_json
+from .records import recorded, write_json
 
 METHOD_ORDER = ("hf", "pld", "hf_static", "baseline", "ppd")
 SPEEDUP_REFERENCES = ("hf_static", "baseline", "hf", "pld")
+# What answers must share to be compared: all methods of one benchmark and dtype, and the answers of one method.
+# The capture mode may differ (every mode decodes the same tokens; resumed shards have switched it).
+SHARED_SETTINGS = ("model", "temperature", "max_new_tokens", "device")
+METHOD_SETTINGS = ("adapter", "tree")
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -35,16 +46,27 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def read_records(files: list[str]) -> list[dict]:
-    records = []
+def read_answers(files: list[str]) -> tuple[list[dict], list[str]]:
+    """Every record of ``files``, and the file each one came from."""
+    records, sources = [], []
     for name in files:
-        for number, line in enumerate(Path(name).read_text(encoding="utf-8").splitlines(), 1):
+        try:
+            text = Path(name).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            hint = " (a pattern that matched no file?)" if any(c in name for c in "*?[") else ""
+            raise ValueError(f"{name}: no such file{hint}") from None
+        for number, line in enumerate(text.splitlines(), 1):
             if line.strip():
                 try:
                     records.append(json.loads(line))
                 except json.JSONDecodeError as error:
                     raise ValueError(f"{name}:{number} is not JSON ({error})") from None
-    return records
+                sources.append(name)
+    return records, sources
+
+
+def read_records(files: list[str]) -> list[dict]:
+    return read_answers(files)[0]
 
 
 def _key(record: dict) -> tuple:
@@ -54,6 +76,39 @@ def _key(record: dict) -> tuple:
 def _dtype(record: dict) -> str:
     """Records of runs before dtypes were recorded say nothing: they form their own group ("-")."""
     return record.get("dtype") or "-"
+
+
+def _names(files: list[str], shown: int = 3) -> str:
+    more = f" and {len(files) - shown} more" if len(files) > shown else ""
+    return ", ".join(files[:shown]) + more
+
+
+def _one_value(answers: list[tuple[dict, str]], fields: tuple[str, ...], where: str) -> None:
+    """Raise ValueError if these (record, file) pairs do not all have the same value of each field."""
+    for field in fields:
+        files: dict = defaultdict(list)  # value -> the files that hold it
+        for record, source in answers:
+            if source not in files[value := recorded(record, field)]:
+                files[value].append(source)
+        if len(files) > 1:
+            values = "; ".join(f"{value!r} in {_names(names)}" for value, names in files.items())
+            raise ValueError(f"{where} mixes answers made with different {field}: {values}. Only answers with the "
+                             "same model, temperature, max_new_tokens and device per benchmark and dtype, and the "
+                             "same adapter and tree per method, are averaged or compared: give these to separate "
+                             "reports")
+
+
+def check_settings(records: list[dict], sources: list[str]) -> None:
+    """Refuse to average or compare answers made with different settings (see the module's docstring)."""
+    by_bench: dict[tuple[str, str], list[tuple[dict, str]]] = defaultdict(list)
+    for record, source in zip(records, sources):
+        by_bench[(record["bench"], _dtype(record))].append((record, source))
+    for (bench, dtype), answers in by_bench.items():
+        where = bench if dtype == "-" else f"{bench} in {dtype}"
+        for method in sorted({record["method"] for record, _ in answers}):
+            _one_value([a for a in answers if a[0]["method"] == method], SHARED_SETTINGS + METHOD_SETTINGS,
+                       f"{method} on {where}")
+        _one_value(answers, SHARED_SETTINGS, where)
 
 
 def quality(bench: str, records: list[dict], timeout_s: float) -> float | None:
@@ -76,7 +131,9 @@ def quality(bench: str, records: list[dict], timeout_s: float) -> float | None:
         return sum(pool.map(passes, first)) / len(first)
 
 
-def summarise(records: list[dict], timeout_s: float = 10.0) -> list[dict]:
+def summarise(records: list[dict], timeout_s: float = 10.0, sources: list[str] | None = None) -> list[dict]:
+    """One row per benchmark, dtype and method; ``sources`` (the file of each record) names files in errors."""
+    check_settings(records, sources or [f"record {i + 1}" for i in range(len(records))])
     groups: dict[tuple[str, str, str], list[dict]] = defaultdict(list)
     for record in records:
         groups[(record["bench"], _dtype(record), record["method"])].append(record)
@@ -89,7 +146,8 @@ def summarise(records: list[dict], timeout_s: float = 10.0) -> list[dict]:
                      "wall_time_s": wall, "tokens_per_s": tokens / wall if wall else None,
                      "accept_length": tokens / steps if steps else None,
                      "startup_s": max((r.get("startup_s") or 0.0) for r in group),
-                     "quality": quality(bench, group, timeout_s)})
+                     "quality": quality(bench, group, timeout_s),
+                     **{field: recorded(group[0], field) for field in SHARED_SETTINGS + METHOD_SETTINGS}})
     for row in rows:
         setting = (row["bench"], row["dtype"])
         same = {r["method"]: r for r in rows if (r["bench"], r["dtype"]) == setting}
@@ -150,7 +208,10 @@ def chart(rows: list[dict], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     try:
-        rows = summarise(read_records(args.files), args.timeout_s)
+        records, sources = read_answers(args.files)
+        if not records:
+            raise ValueError(f"no answers in {_names(args.files)}: nothing to report")
+        rows = summarise(records, args.timeout_s, sources)
     except (ValueError, KeyError) as error:
         print(f"report: error: {error}", file=sys.stderr)
         return 2

@@ -101,6 +101,134 @@ def test_report_compares_methods_within_each_dtype(tmp_path):
     assert got[("float32", "baseline")]["speedup_vs_hf_static"] == pytest.approx(2.0)
 
 
+def _answer(**settings):
+    """A record with every setting gen_answers writes (baseline, greedy fp32 smollm2 on the CPU, 12 new tokens)."""
+    record = dict(_record("mt_bench", "baseline", "81", 4, 2, 1.0, [1, 2, 3, 4]), model="smollm2-135m-instruct",
+                  adapter="none", tree="none", dtype="float32", capture="auto", temperature=0.0, max_new_tokens=12,
+                  environment={"device": "cpu"})
+    record.update(settings)
+    return record
+
+
+def _write(path, *records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+@pytest.mark.parametrize("field, a, b", [
+    ("model", "smollm2-135m-instruct", "other-model"), ("adapter", "adapters/a", "adapters/b"),
+    ("tree", "tree_6.json", "tree_12.json"), ("temperature", 0.0, 0.7), ("max_new_tokens", 12, 256),
+    ("environment", {"device": "cpu"}, {"device": "NVIDIA H200"}), ("model", "smollm2-135m-instruct", None)])
+def test_report_refuses_to_average_answers_of_different_settings(field, a, b, tmp_path, capsys):
+    first = _write(tmp_path / "ppd-first.jsonl", _answer(method="ppd", **{field: a}), _answer())
+    second = _write(tmp_path / "ppd-second.jsonl", _answer(method="ppd", turn=1, **{field: b}))
+    assert report.main([first, second]) == 2
+    error = capsys.readouterr().err
+    shown = {"environment": "device"}.get(field, field)
+    value = lambda v: repr("unknown" if v is None else v["device"] if field == "environment" else v)  # noqa: E731
+    assert f"ppd on mt_bench in float32 mixes answers made with different {shown}: " in error
+    assert f"{value(a)} in {first}; {value(b)} in {second}." in error
+
+
+@pytest.mark.parametrize("field, value", [("model", "other-model"), ("temperature", 0.7), ("max_new_tokens", 256),
+                                          ("environment", {"device": "NVIDIA H200"})])
+def test_report_compares_methods_only_with_the_same_model_temperature_length_and_device(field, value, tmp_path,
+                                                                                       capsys):
+    ppd = _write(tmp_path / "ppd.jsonl", _answer(method="ppd", adapter="shipped:a", tree="shipped:a:tree_cpu.json"))
+    baseline = _write(tmp_path / "baseline.jsonl", _answer(**{field: value}))
+    assert report.main([ppd, baseline]) == 2
+    assert "mt_bench in float32 mixes answers made with different " in capsys.readouterr().err
+    # PPD's own adapter and tree against the baseline's none is what the report is for.
+    _write(tmp_path / "baseline.jsonl", _answer())
+    assert report.main([ppd, baseline]) == 0
+    # Another dtype is another comparison, not a mix.
+    _write(tmp_path / "baseline.jsonl", _answer(dtype="bfloat16", **{field: value}))
+    assert report.main([ppd, baseline]) == 0
+
+
+def test_report_refuses_an_input_without_answers(tmp_path, capsys):
+    empty, blank = tmp_path / "empty.jsonl", tmp_path / "blank.jsonl"
+    empty.write_text("")
+    blank.write_text("\n  \n")
+    assert report.main([str(empty), str(blank), "--output_dir", str(tmp_path / "out")]) == 2
+    assert f"report: error: no answers in {empty}, {blank}: nothing to report" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    pattern = str(tmp_path / "none" / "*.jsonl")  # what the shell passes on when a pattern matches nothing
+    assert report.main([pattern]) == 2
+    assert f"report: error: {pattern}: no such file (a pattern that matched no file?)" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        report.main([])
+    assert exit_.value.code == 2
+
+
+def _gen_answers_args(output, *extra):
+    return ["--bench", "mt_bench", "--method", "baseline", "--model", "smollm2-135m-instruct", "--limit", "1",
+            "--max_new_tokens", "12", "--output", str(output), *extra]
+
+
+class _Resumed(Exception):
+    """Raised where gen_answers, its checks passed, would start decoding."""
+
+
+class _FakeAnswerer:
+    """What gen_answers learns from loading the model: fp32 on the CPU, no adapter, no tree."""
+
+    def __init__(self, args):
+        self.adapter, self.tree, self.dtype, self.environment = "none", "none", "float32", {"device": "cpu"}
+
+    def start(self):
+        raise _Resumed
+
+
+@pytest.mark.parametrize("field, found, asked", [
+    ("method", "ppd", "baseline"), ("model", "other-model", "smollm2-135m-instruct"), ("temperature", 0.7, 0.0),
+    ("max_new_tokens", 256, 12), ("bench", "gsm8k", "mt_bench")])
+def test_gen_answers_refuses_before_loading_to_resume_a_file_of_other_settings(field, found, asked, tmp_path,
+                                                                               monkeypatch, capsys):
+    from eval import gen_answers
+
+    def load(args):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(gen_answers, "Answerer", load)
+    output = tmp_path / "answers.jsonl"
+    _write(output, _answer(**{field: found}))
+    before = output.read_text()
+    assert gen_answers.main(_gen_answers_args(output)) == 2
+    assert capsys.readouterr().err == (f"gen_answers: error: {output} holds answers made with {field} {found!r}, but "
+                                       f"this run asks for {asked!r}: choose another --output or remove the file\n")
+    assert output.read_text() == before
+
+
+@pytest.mark.parametrize("field, found, extra, asked", [
+    ("adapter", "shipped:smollm2-135m-instruct", [], "none"), ("tree", "tree_6.json", [], "none"),
+    ("dtype", "bfloat16", ["--dtype", "float32"], "float32"), ("environment", {"device": "NVIDIA H200"}, [], "cpu"),
+    ("environment", None, [], "cpu")])
+def test_gen_answers_refuses_once_loaded_to_resume_a_file_of_other_settings(field, found, extra, asked, tmp_path,
+                                                                            monkeypatch, capsys):
+    from eval import gen_answers
+
+    monkeypatch.setattr(gen_answers, "Answerer", _FakeAnswerer)
+    output = tmp_path / "answers.jsonl"
+    _write(output, _answer(**{field: found}))
+    assert gen_answers.main(_gen_answers_args(output, *extra)) == 2
+    shown = ("device", "unknown" if found is None else found["device"]) if field == "environment" else (field, found)
+    assert (f"{output} holds answers made with {shown[0]} {shown[1]!r}, but this run asks for {asked!r}: "
+            "choose another --output or remove the file") in capsys.readouterr().err
+
+
+def test_gen_answers_resumes_a_file_of_the_same_settings_cut_short(tmp_path, monkeypatch):
+    from eval import gen_answers
+
+    monkeypatch.setattr(gen_answers, "Answerer", _FakeAnswerer)
+    output = tmp_path / "answers.jsonl"
+    first = json.dumps(_answer(capture="eager")) + "\n"  # another capture mode decodes the same
+    output.write_text(first + '{"bench": "mt_bench", "question_id": "81", "tu')
+    with pytest.raises(_Resumed):
+        gen_answers.main(_gen_answers_args(output))
+    assert output.read_text() == first  # the line cut short is dropped, the answer kept
+
+
 @pytest.mark.parametrize("method", ["ppd", "baseline", "hf", "pld"])
 def test_two_question_run_per_method(method, tmp_path):
     out = tmp_path / f"{method}.jsonl"
@@ -175,3 +303,15 @@ def test_suite_stops_at_its_deadline_and_resumes_to_the_complete_grid(tmp_path):
     assert {r["environment"]["device"] for r in records} and all(r["new_tokens"] == 4 for r in records)
     assert run_suite.main(own + tail) == 0  # nothing left to do
     assert len(report.read_records([str(p) for p in out.glob("*.jsonl")])) == 4
+
+
+def test_gen_answers_refuses_impossible_decoding_settings_before_loading(tmp_path, capsys):
+    from eval import gen_answers
+
+    for temperature in ("nan", "inf", "-1"):
+        with pytest.raises(SystemExit) as stop:
+            gen_answers.main(["--bench", "mt_bench", "--method", "ppd", "--temperature", temperature,
+                              "--output", str(tmp_path / "out.jsonl")])
+        assert stop.value.code == 2
+        assert "temperature must be a finite number" in capsys.readouterr().err
+    assert not (tmp_path / "out.jsonl").exists()
