@@ -17,10 +17,13 @@ Usage (from the repository root):
 folder or a hub id (default: the embedded ShareGPT file). For ``distillation`` it is a truncated dataset
 from this program, or any conversation source (truncated on the fly). Work is written in shards next to
 the output (``OUTPUT.shards/``); running the same command again after an interruption resumes it.
+``--overwrite`` replaces only a dataset (and shards) this program made; anything else at the output path is
+refused. One run at a time writes an output (a lock on ``.OUTPUT.lock`` beside it): a second is refused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import sys
@@ -38,7 +41,8 @@ from ppd.models import DEFAULT_MODEL, load_model, load_tokenizer, resolve_dtype,
 from ppd.teacher import length_batches, teacher_topk
 from ppd.truncation import truncate
 
-from .shards import SettingsMismatch, ShardStore, save_dataset_atomic
+from .shards import (OutputPathError, SettingsMismatch, ShardStore, output_lock, recognise_dataset, recognise_shards,
+                     save_dataset_atomic)
 
 logger = logging.getLogger("data_gen")
 
@@ -71,7 +75,8 @@ class DataGenArguments:
     shard_size: int = field(default=512, metadata={"help": "source records per shard (the unit of resumption)"})
     dtype: str | None = field(default=None, metadata={"help": "teacher dtype (default: fp32 on CPU, bf16 on GPU)"})
     load_in_4bit: bool = field(default=False, metadata={"help": "NF4 teacher via bitsandbytes (GPU)"})
-    overwrite: bool = field(default=False, metadata={"help": "replace an existing output and its shards"})
+    overwrite: bool = field(default=False, metadata={
+        "help": "replace an existing output and its shards (only ones this program made)"})
     keep_shards: bool = field(default=False, metadata={"help": "keep OUTPUT.shards/ after the merge"})
 
     def __post_init__(self):
@@ -206,18 +211,33 @@ def run(args: DataGenArguments, state=None) -> PPDDatasetInfo | None:
     """Make the dataset; returns its metadata on the main process (``None`` on the others)."""
     import datasets
     from accelerate import PartialState
-    from tqdm.auto import tqdm
 
     # Without a GPU, processes started by `accelerate launch --multi_gpu` must be told to pair up over CPU.
     state = state or PartialState(cpu=not torch.cuda.is_available())
     datasets.disable_progress_bars()  # the run has its own progress bar
     output = Path(args.output_path)
     shards_root = output.with_name(output.name + ".shards")
+    # Before any work: an output path that is a file, or holds what this program did not make, is refused.
+    found_output, found_shards = recognise_dataset(output), recognise_shards(shards_root)
     if output.exists() and not args.overwrite:
         raise FileExistsError(f"{output} exists; pass --overwrite to replace it")
-    if args.overwrite and state.is_main_process:
-        shutil.rmtree(shards_root, ignore_errors=True)
-    state.wait_for_everyone()
+    if found_output:
+        raise OutputPathError(f"--overwrite replaces only a dataset made by data_gen, and {output} is not one "
+                              f"({found_output}): remove it yourself or choose another --output_path")
+    if found_shards:
+        raise OutputPathError(f"{shards_root}, where data_gen keeps the work for {output}, holds what data_gen did "
+                              f"not make ({found_shards}): move it away or choose another --output_path")
+    # One run per output: the main process holds the lock until the dataset is written (the others wait for it).
+    with output_lock(output) if state.is_main_process else contextlib.nullcontext():
+        if args.overwrite and state.is_main_process:
+            shutil.rmtree(shards_root, ignore_errors=True)
+        state.wait_for_everyone()
+        return _run(args, state, output, shards_root)
+
+
+def _run(args: DataGenArguments, state, output: Path, shards_root: Path) -> PPDDatasetInfo | None:
+    import datasets
+    from tqdm.auto import tqdm
 
     with state.main_process_first():  # the first use of an embedded model converts it once
         _, model_info = resolve_model(args.model)
@@ -314,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         run(args)
-    except (EmptyDatasetError, FileExistsError, FileNotFoundError, SettingsMismatch, ValueError) as error:
+    except (EmptyDatasetError, FileExistsError, FileNotFoundError, OutputPathError, SettingsMismatch,
+            ValueError) as error:
         print(f"data_gen: error: {error}", file=sys.stderr)
         return 1
     return 0

@@ -127,10 +127,15 @@ class PromptTokens(nn.Module):
         return tokens
 
 
+def count_non_finite(embeddings: torch.Tensor) -> int:
+    """How many prompt-token values are NaN or inf. A single one reaches the real rows of the same forward
+    and turns lossless decoding into garbage, so such prompt tokens are refused where they are read,
+    written or trained."""
+    return int((~torch.isfinite(embeddings.detach())).sum())
+
+
 def _check_finite(embeddings: torch.Tensor, where: str) -> None:
-    """A single NaN or inf in the prompt rows reaches the real rows of the same forward and turns lossless
-    decoding into garbage, so damaged prompt tokens are refused where they are read or written."""
-    bad = int((~torch.isfinite(embeddings)).sum())
+    bad = count_non_finite(embeddings)
     if bad:
         raise ValueError(f"{where} {bad} of {embeddings.numel()} prompt-token values that are not finite "
                          "(NaN or inf): the adapter is damaged, or came from a training run that diverged")

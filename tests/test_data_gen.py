@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import data_gen.generate as generate
+from data_gen.shards import lock_path
 from ppd import load_tokenizer
 from ppd.conversations import load_conversations
 from ppd.dataset_info import PPDDatasetInfo
@@ -180,3 +181,87 @@ def test_two_processes_with_accelerate_match_one(sharegpt_file, distilled, tmp_p
     # One thread per process here, two in the reference run: float sums round differently, ids do not move.
     torch.testing.assert_close(torch.tensor(merged["teacher_topk_logprobs"]),
                                torch.tensor(distilled["teacher_topk_logprobs"]), atol=1e-4, rtol=0)
+
+
+def _must_not_run(*args, **kwargs):
+    raise AssertionError("started work before checking the output path")
+
+
+def test_overwrite_refuses_what_data_gen_did_not_make(sharegpt_file, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(generate, "resolve_model", _must_not_run)
+    argv = ["--dataset_type", "finetune", "--data_path", str(sharegpt_file), "--overwrite"]
+    mine = tmp_path / "mine"
+    (mine / "sub").mkdir(parents=True)
+    (mine / "notes.txt").write_text("keep me")
+    assert generate.main(["--output_path", str(mine), *argv]) == 1
+    assert capsys.readouterr().err == (
+        f"data_gen: error: --overwrite replaces only a dataset made by data_gen, and {mine} is not one (it holds "
+        "notes.txt, sub/): remove it yourself or choose another --output_path\n")
+    assert (mine / "notes.txt").read_text() == "keep me" and (mine / "sub").is_dir()
+
+    plain = tmp_path / "plain"  # a datasets folder, but not one data_gen made
+    datasets.Dataset.from_dict({"x": [1, 2]}).save_to_disk(str(plain))
+    assert generate.main(["--output_path", str(plain), *argv]) == 1
+    assert "(a dataset without ppd metadata (not made by data_gen))" in capsys.readouterr().err
+    assert datasets.load_from_disk(str(plain))["x"] == [1, 2]
+
+    (tmp_path / "fresh.shards").mkdir()  # the shard folder's name, holding the user's file
+    (tmp_path / "fresh.shards" / "results.csv").write_text("1,2")
+    assert generate.main(["--output_path", str(tmp_path / "fresh"), *argv]) == 1
+    assert f"{tmp_path / 'fresh.shards'}, where data_gen keeps the work for {tmp_path / 'fresh'}, holds what " \
+           "data_gen did not make (it holds results.csv)" in capsys.readouterr().err
+    assert (tmp_path / "fresh.shards" / "results.csv").exists()
+
+
+def test_overwrite_replaces_a_dataset_data_gen_made(sharegpt_file, tmp_path):
+    argv = ["--dataset_type", "finetune", "--data_path", str(sharegpt_file), "--keep_shards"]
+    make(tmp_path, "ft", *argv)
+    (tmp_path / "ft" / "cache-0123456789abcdef.arrow").write_bytes(b"")  # what training's map leaves beside it
+    replaced = make(tmp_path, "ft", *argv, "--seed", "7", "--overwrite")
+    assert PPDDatasetInfo.of(replaced).seed == 7
+    assert not (tmp_path / "ft" / "cache-0123456789abcdef.arrow").exists()
+
+
+def test_an_output_path_that_is_a_file_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(generate, "resolve_model", _must_not_run)
+    monkeypatch.setattr(generate, "load_conversations", _must_not_run)
+    path = tmp_path / "out"
+    path.write_text("not a dataset")
+    for extra in ([], ["--overwrite"]):
+        assert generate.main(["--dataset_type", "finetune", "--output_path", str(path), *extra]) == 1
+        assert capsys.readouterr().err == \
+            f"data_gen: error: {path} is a file, not a folder data_gen made: choose another --output_path\n"
+    assert path.read_text() == "not a dataset"
+
+
+# What a running data_gen holds on its output: an exclusive flock on the lock file, which names its pid.
+HOLD_LOCK = """import fcntl, os, sys, time
+with open(sys.argv[1], "a+") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    lock.write(f"{os.getpid()}\\n")
+    lock.flush()
+    print("locked", flush=True)
+    time.sleep(300)
+"""
+
+
+def test_a_second_run_on_the_same_output_is_refused_at_once(sharegpt_file, tmp_path, capsys, monkeypatch):
+    output = tmp_path / "out"
+    argv = ["--dataset_type", "finetune", "--data_path", str(sharegpt_file)]
+    first = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(lock_path(output))], stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert first.stdout.readline().strip() == "locked"
+        with monkeypatch.context() as patch:
+            patch.setattr(generate, "resolve_model", _must_not_run)
+            assert generate.main(["--output_path", str(output), *argv]) == 1
+            assert generate.main(["--output_path", str(output), *argv, "--overwrite"]) == 1
+        err = capsys.readouterr().err
+        assert err.count(f"data_gen: error: {output} is being written by another data_gen run (process {first.pid}, "
+                         f"lock {lock_path(output)}): wait for it to finish, or choose another --output_path") == 2
+        assert not output.exists() and not (tmp_path / "out.shards").exists()
+    finally:
+        first.kill()  # SIGKILL: no clean-up runs, the lock file stays
+        first.wait()
+    assert lock_path(output).exists()  # stale: the kernel dropped the lock with the process
+    assert len(make(tmp_path, "out", *argv)) > 0

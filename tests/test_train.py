@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,7 +16,9 @@ import train.train as train
 from data_gen import generate
 from ppd import Decoder, DecodeConfig, PromptTokens, eos_ids_of
 from ppd.chat import chat_input_ids
+from ppd.dataset_info import PPDDatasetInfo
 from ppd.training import PromptTokenModel
+from train.trainer import NonFiniteError, PromptTokenTrainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -165,3 +168,130 @@ def test_two_processes_with_accelerate(datasets_dir, tmp_path):
     log = json.loads((tmp_path / "ddp" / "training_log.json").read_text())
     assert log["world_size"] == 2 and log["train_metrics"]["train_samples_per_second"] > 0
     assert log["final_eval"]["eval_loss"] > 0 and (tmp_path / "ddp" / "prompt_tokens.safetensors").exists()
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory):
+    """A tiny random model (the default model's tokenizer, so its vocabulary) and a synthetic distillation
+    dataset for it, plus a copy of the dataset whose teacher log-probabilities are NaN: fast runs."""
+    import datasets
+
+    from ppd import load_tokenizer
+    from tests.conftest import tiny_model
+
+    root = tmp_path_factory.mktemp("tiny-train")
+    tokenizer = load_tokenizer("smollm2-135m-instruct")
+    tiny_model(vocab=len(tokenizer)).save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    n, k, vocab = 3, 4, len(tokenizer)
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(40):
+        logprobs = torch.log_softmax(torch.randn(n, k, generator=g), -1).sort(-1, descending=True).values - 0.5
+        rows.append({"id": str(i), "input_ids": torch.randint(0, vocab, (4 + i % 8,), generator=g).tolist(),
+                     "labels": torch.randint(0, vocab, (n + 1,), generator=g).tolist(),
+                     "teacher_token_ids": torch.randint(0, vocab, (n + 1,), generator=g).tolist(),
+                     "teacher_topk_ids": torch.randint(0, vocab, (n, k), generator=g).tolist(),
+                     "teacher_topk_logprobs": logprobs.tolist()})
+    info = PPDDatasetInfo(dataset_type="distillation", model=str((root / "model").resolve()), model_revision="local",
+                          num_prompt_tokens=n, model_max_length=64, seed=0, source="synthetic", top_k=k,
+                          teacher_dtype="float32")
+    features = generate._features(generate.DatasetType.DISTILLATION)
+    info.attach(datasets.Dataset.from_list(rows, features=features)).save_to_disk(str(root / "data"))
+    nan_rows = [{**row, "teacher_topk_logprobs": [[float("nan")] * k] * n} for row in rows]
+    info.attach(datasets.Dataset.from_list(nan_rows, features=features)).save_to_disk(str(root / "nan-data"))
+    return root
+
+
+def run_tiny(tiny, output, *extra, dataset="data") -> int:
+    return train.main(["--model", str(tiny / "model"), "--dataset_path", str(tiny / dataset),
+                       "--output_dir", str(output), "--per_device_train_batch_size", "4", "--learning_rate", "1e-2",
+                       "--logging_steps", "1", "--eval_size", "8", "--seed", "0", "--dataloader_pin_memory", "false",
+                       *extra])
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--learning_rate", "inf", "--learning_rate must be a finite number > 0, got inf"),
+    ("--learning_rate", "nan", "--learning_rate must be a finite number > 0, got nan"),
+    ("--learning_rate", "-0.01", "--learning_rate must be a finite number > 0, got -0.01"),
+    ("--num_train_epochs", "0", "--num_train_epochs must be a finite number > 0 (or pass --max_steps), got 0.0"),
+    ("--per_device_train_batch_size", "0", "--per_device_train_batch_size must be at least 1, got 0"),
+    ("--gradient_accumulation_steps", "0", "--gradient_accumulation_steps must be at least 1, got 0"),
+    ("--weight_decay", "nan", "--weight_decay must be a finite number >= 0, got nan"),
+    ("--loss_decay", "nan", "--loss_decay must be in (0, 1], got nan"),
+    ("--num_prompt_tokens", "0", "--num_prompt_tokens must be at least 1, got 0"),
+    ("--eval_size", "inf", "--eval_size must be a finite number >= 0, got inf"),
+])
+def test_unusable_numbers_are_refused_before_anything_loads(flag, value, message, tmp_path, capsys, monkeypatch):
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("loaded something before checking the settings")
+
+    for name in ("resolve_model", "load_dataset_for", "load_base"):
+        monkeypatch.setattr(train, name, must_not_run)
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--dataset_path", str(tmp_path / "data"), "--output_dir", str(tmp_path / "out"), flag, value])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == f"train: error: {message}\n"
+
+
+def test_diverging_training_stops_without_saving_non_finite_tokens(tiny_setup, tmp_path, capsys):
+    # A finite but absurd learning rate: the first optimizer step takes the prompt tokens to inf/NaN.
+    assert run_tiny(tiny_setup, tmp_path / "run", "--learning_rate", "1e39", "--max_steps", "3",
+                    "--save_steps", "1") == 1
+    err = capsys.readouterr().err
+    assert "train: error: step 1: 96 of 96 prompt-token values are not finite" in err
+    assert not list((tmp_path / "run").glob("**/*.safetensors"))  # no adapter, no checkpoint
+
+
+def test_a_non_finite_loss_stops_training_at_its_step(tiny_setup, tmp_path, capsys):
+    assert run_tiny(tiny_setup, tmp_path / "run", "--max_steps", "3", "--save_steps", "1", "--eval_size", "0",
+                    dataset="nan-data") == 1
+    assert "train: error: step 1: the training loss is nan" in capsys.readouterr().err
+    assert not list((tmp_path / "run").glob("**/*.safetensors"))
+
+
+def test_saving_non_finite_prompt_tokens_is_refused(tmp_path):
+    from transformers import TrainingArguments
+
+    from tests.conftest import random_prompt_tokens, tiny_model
+
+    model = tiny_model()
+    tokens = random_prompt_tokens(model)
+    trainer = PromptTokenTrainer(model=PromptTokenModel(model, tokens),
+                                 args=TrainingArguments(output_dir=str(tmp_path), report_to=[]))
+    with torch.no_grad():
+        tokens.embeddings[1, 2] = float("inf")
+    with pytest.raises(NonFiniteError, match="1 of 96 prompt-token values are not finite"):
+        trainer.save_model(str(tmp_path / "checkpoint-1"))
+    assert not (tmp_path / "checkpoint-1").exists()
+
+
+TIMINGS = re.compile(r"runtime|per_second|preparation_time")
+
+
+def comparable(log: dict) -> dict:
+    """A training log without its timings and the two arguments that must differ (folder, resume flag)."""
+    def strip(entry: dict) -> dict:
+        return {k: v for k, v in entry.items() if not TIMINGS.search(k)}
+
+    out = {k: v for k, v in log.items() if k != "train_seconds"}
+    out["training_arguments"] = {k: v for k, v in log["training_arguments"].items()
+                                 if k not in ("output_dir", "resume_from_checkpoint")}
+    for key in ("train_metrics", "initial_eval", "final_eval"):
+        out[key] = strip(log[key])
+    out["log_history"] = [strip(entry) for entry in log["log_history"]]
+    return out
+
+
+def test_a_resumed_run_writes_the_log_of_an_uninterrupted_one(tiny_setup, tmp_path):
+    args = ["--max_steps", "6", "--save_steps", "3"]
+    assert run_tiny(tiny_setup, tmp_path / "full", *args) == 0
+    interrupted = tmp_path / "resumed"
+    interrupted.mkdir()
+    shutil.copytree(tmp_path / "full" / "checkpoint-3", interrupted / "checkpoint-3")  # stopped after it
+    assert run_tiny(tiny_setup, interrupted, *args, "--resume_from_checkpoint", "latest") == 0
+    full = json.loads((tmp_path / "full" / "training_log.json").read_text())
+    resumed = json.loads((interrupted / "training_log.json").read_text())
+    assert "initial_loss" in resumed["initial_eval"]
+    assert [e["step"] for e in resumed["log_history"] if "loss" in e] == [1, 2, 3, 4, 5, 6]
+    assert comparable(resumed) == comparable(full)

@@ -17,7 +17,13 @@ Every ``transformers.TrainingArguments`` flag works (schedule, epochs, batch siz
 Writes to ``--output_dir``: the adapter (``ppd_config.json`` + ``prompt_tokens.safetensors``, the
 decoder's format), ``checkpoint-STEP/`` folders that resume (each also holding the adapter), and
 ``training_log.json`` with the loss curve, held-out top-1/top-5 accuracy of each prompt token before and
-after training, and the rank-accuracy table the tree builder takes.
+after training, and the rank-accuracy table the tree builder takes. A run resumed from a checkpoint writes the
+same log as an uninterrupted one (timings aside): each checkpoint keeps the evaluation before training and
+the loss so far.
+
+Numeric settings that cannot train (a learning rate that is not a finite number > 0, a batch size of 0, ...)
+are refused before anything is loaded. Training stops with an error at the first step whose loss or prompt
+tokens are not finite; nothing non-finite is ever saved.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -52,6 +59,11 @@ def translate_reference_flags(argv: list[str]) -> list[str]:
     return [f"--{RENAMED_FLAGS[a]}" if a in RENAMED_FLAGS and a[2:] not in known else a for a in argv]
 
 
+def _require(ok: bool, flag: str, value, requirement: str) -> None:
+    if not ok:
+        raise ValueError(f"--{flag} must be {requirement}, got {value}")
+
+
 @dataclass
 class ModelArguments:
     model_name_or_path: str = field(default=DEFAULT_MODEL, metadata={
@@ -74,8 +86,11 @@ class DataArguments:
     def __post_init__(self):
         if not self.dataset_path:
             raise ValueError("--dataset_path is required (make one with `python -m data_gen.generate`)")
-        if self.eval_size < 0:
-            raise ValueError("--eval_size must be >= 0")
+        _require(math.isfinite(self.eval_size) and self.eval_size >= 0, "eval_size", self.eval_size,
+                 "a finite number >= 0")
+        for name in ("max_train_samples", "model_max_length"):
+            value = getattr(self, name)
+            _require(value is None or value >= 1, name, value, "at least 1")
 
 
 @dataclass
@@ -95,8 +110,35 @@ class PromptTokenArguments:
     def __post_init__(self):
         self.vt_attention_type = AttentionType(self.vt_attention_type)
         self.objective = Objective.parse(self.trainer_type)
-        if not 0 < self.loss_decay <= 1:
-            raise ValueError("--loss_decay must be in (0, 1]")
+        for name in ("num_prompt_tokens", "num_ensemble"):
+            _require(getattr(self, name) >= 1, name, getattr(self, name), "at least 1")
+        _require(0 < self.loss_decay <= 1, "loss_decay", self.loss_decay, "in (0, 1]")  # False for NaN too
+
+
+def check_training_arguments(args) -> None:
+    """Refuse the numeric ``TrainingArguments`` that cannot train, before anything is loaded: without this they
+    fail inside the optimizer after the model load (a NaN or negative learning rate) or train to NaN (inf)."""
+    def positive(value) -> bool:
+        return math.isfinite(value) and value > 0
+
+    def non_negative(value) -> bool:
+        return math.isfinite(value) and value >= 0
+
+    _require(positive(args.learning_rate), "learning_rate", args.learning_rate, "a finite number > 0")
+    if args.max_steps <= 0:  # otherwise --max_steps decides and the epochs are not used
+        _require(positive(args.num_train_epochs), "num_train_epochs", args.num_train_epochs,
+                 "a finite number > 0 (or pass --max_steps)")
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+        _require(getattr(args, name) >= 1, name, getattr(args, name), "at least 1")
+    for name in ("weight_decay", "max_grad_norm", "warmup_steps", "adam_epsilon"):
+        _require(non_negative(getattr(args, name)), name, getattr(args, name), "a finite number >= 0")
+    for name in ("adam_beta1", "adam_beta2"):
+        _require(0 <= getattr(args, name) < 1, name, getattr(args, name), "in [0, 1)")
+    for name, strategy in (("logging_steps", args.logging_strategy), ("save_steps", args.save_strategy),
+                           ("eval_steps", args.eval_strategy)):
+        value = getattr(args, name)
+        if strategy == "steps" and value is not None:
+            _require(positive(value), name, value, "a finite number > 0")
 
 
 def make_parser():
@@ -171,7 +213,7 @@ def load_base(model_args: ModelArguments, device: torch.device, gradient_checkpo
 def main(argv: list[str] | None = None) -> int:
     from transformers.trainer_utils import get_last_checkpoint
 
-    from .trainer import AdapterCheckpointCallback, PromptTokenTrainer, accuracy_metrics
+    from .trainer import NonFiniteError, PromptTokenTrainer, accuracy_metrics, check_finite
 
     argv = translate_reference_flags(sys.argv[1:] if argv is None else list(argv))
     if not torch.cuda.is_available():
@@ -180,8 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = make_parser()
     try:
         model_args, data_args, pt_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+        check_training_arguments(training_args)
     except ValueError as error:
-        parser.error(str(error))
+        # One line, exit status 2 as argparse's own errors (parser.error would print the whole usage first:
+        # hundreds of TrainingArguments flags).
+        parser.exit(2, f"train: error: {error}\n")
     logging.basicConfig(level=logging.INFO if training_args.should_log else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -195,7 +240,12 @@ def main(argv: list[str] | None = None) -> int:
 
     base, tokenizer, model_info = load_base(model_args, training_args.device, training_args.gradient_checkpointing)
     if pt_args.init_adapter:
-        prompt_tokens = PromptTokens.from_pretrained(pt_args.init_adapter, base)
+        try:
+            prompt_tokens = PromptTokens.from_pretrained(pt_args.init_adapter, base)
+            check_finite(prompt_tokens, f"--init_adapter {pt_args.init_adapter}")
+        except (ValueError, NonFiniteError) as error:
+            print(f"train: error: {error}", file=sys.stderr)
+            return 1
     else:
         config = PromptTokenConfig(
             num_prompt_tokens=pt_args.num_prompt_tokens, num_ensemble=pt_args.num_ensemble,
@@ -208,7 +258,6 @@ def main(argv: list[str] | None = None) -> int:
     trainer = PromptTokenTrainer(
         model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
         data_collator=PromptTokenCollator(), compute_metrics=accuracy_metrics,
-        callbacks=[AdapterCheckpointCallback(prompt_tokens)],
     )
     resume = training_args.resume_from_checkpoint
     if resume in ("latest", "true", "True"):
@@ -216,9 +265,16 @@ def main(argv: list[str] | None = None) -> int:
         if resume is None:
             logger.info("no checkpoint in %s: starting from the beginning", training_args.output_dir)
 
-    initial = trainer.evaluate(metric_key_prefix="initial") if eval_dataset is not None and not resume else {}
+    if resume:
+        trainer.restore_record(resume)  # the evaluation before training and the loss of the earlier steps
+    elif eval_dataset is not None:
+        trainer.initial_eval = trainer.evaluate(metric_key_prefix="initial")
     started = time.perf_counter()
-    result = trainer.train(resume_from_checkpoint=resume)
+    try:
+        result = trainer.train(resume_from_checkpoint=resume)
+    except NonFiniteError as error:
+        print(f"train: error: {error}", file=sys.stderr)
+        return 1
     train_seconds = time.perf_counter() - started
     final, ranks = {}, None
     if eval_dataset is not None:
@@ -227,6 +283,11 @@ def main(argv: list[str] | None = None) -> int:
 
     if trainer.is_world_process_zero():
         output = Path(training_args.output_dir)
+        try:
+            check_finite(prompt_tokens, f"saving {output}")  # the trainer stops first; a last guard before writing
+        except NonFiniteError as error:
+            print(f"train: error: {error}", file=sys.stderr)
+            return 1
         prompt_tokens.save_pretrained(output)
         log = {
             "model": dataclasses.asdict(model_info), "prompt_tokens": prompt_tokens.config.to_dict(),
@@ -236,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
                         "eval_examples": len(eval_dataset) if eval_dataset is not None else 0},
             "training_arguments": training_args.to_dict(), "world_size": training_args.world_size,
             "train_seconds": train_seconds,
-            "train_metrics": result.metrics, "initial_eval": initial, "final_eval": final,
+            "train_metrics": result.metrics, "initial_eval": trainer.initial_eval, "final_eval": final,
             "rank_accuracy": ranks, "log_history": trainer.state.log_history,
             "hardware": torch.cuda.get_device_name(training_args.device) if training_args.device.type == "cuda"
             else "cpu", "torch": torch.__version__,
@@ -247,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = ", ".join(f"{k.removeprefix('eval_')} {v:.3f}" for k, v in final.items()
                             if k.startswith("eval_top") or k == "eval_loss")
         print(f"trained {result.global_step} steps in {train_seconds:.0f} s, final train loss "
-              f"{result.training_loss:.4f}; held out: {summary or 'no evaluation set'}; adapter in {output}")
+              f"{result.metrics['train_loss']:.4f}; held out: {summary or 'no evaluation set'}; adapter in {output}")
     return 0
 
 

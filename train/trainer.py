@@ -4,17 +4,43 @@ Evaluation reports, for each prompt token, how often the teacher's greedy token 
 for a dataset without a teacher) is the student's top-1 and in its top-5; the full rank table is kept
 for building trees. Each checkpoint folder also holds the adapter in the decoder's format, so any
 checkpoint can be decoded with directly.
+
+Training stops with ``NonFiniteError`` at the first non-finite loss or prompt-token value, and every save
+checks the prompt tokens first: an adapter or checkpoint never holds NaN or inf. Each checkpoint also keeps
+the run's record (``ppd_training_record.json``: the evaluation before training and the summed loss of the
+steps so far), so a resumed run reports what an uninterrupted one would.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import math
+import os
+from pathlib import Path
+
 import torch
 from transformers import Trainer, TrainerCallback
 
-from ppd.prompt_tokens import PromptTokens
+from ppd.prompt_tokens import PromptTokens, count_non_finite
 from ppd.training import accuracy_targets, rank_accuracy
 
+logger = logging.getLogger("train")
+
 EVAL_TOP_K = 10  # ranks kept per prompt token at evaluation (a tree's top-K rarely goes further)
+RECORD_FILE = "ppd_training_record.json"
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or the prompt tokens became NaN or inf."""
+
+
+def check_finite(prompt_tokens: PromptTokens, when: str) -> None:
+    """Raise ``NonFiniteError`` if any prompt-token value is NaN or inf; ``when`` opens the message."""
+    bad = count_non_finite(prompt_tokens.embeddings)
+    if bad:
+        raise NonFiniteError(f"{when}: {bad} of {prompt_tokens.embeddings.numel()} prompt-token values are not finite (NaN or inf); "
+                             "nothing non-finite was saved (lower --learning_rate; earlier checkpoints are intact)")
 
 
 def accuracy_metrics(prediction) -> dict:
@@ -29,6 +55,53 @@ def accuracy_metrics(prediction) -> dict:
 
 
 class PromptTokenTrainer(Trainer):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.prompt_tokens: PromptTokens = self.model.prompt_tokens
+        self.initial_eval: dict = {}  # the held-out evaluation before the first step
+        # This process's training loss summed over every step of the run, the steps before a resumed checkpoint
+        # included (None: resumed from a checkpoint without a record, so only Trainer's own mean is known).
+        self.loss_sum: float | None = 0.0
+        self.add_callback(_GuardAndRecord(self))
+
+    def training_step(self, model, inputs, *args, **kwargs):
+        loss = super().training_step(model, inputs, *args, **kwargs)
+        # One read-back per micro-batch, as Trainer's own nan/inf logging filter does.
+        value = loss.item()
+        if not math.isfinite(value):
+            raise NonFiniteError(f"step {self.state.global_step + 1}: the training loss is {value}; stopped before "
+                                 "the optimizer step, nothing non-finite was saved (lower --learning_rate, or "
+                                 "check the dataset for NaN/inf targets)")
+        if self.loss_sum is not None:
+            self.loss_sum += value
+        return loss
+
+    def run_loss_sum(self) -> float:
+        """The summed training loss of the run so far, averaged over processes (all of them call this)."""
+        total = torch.tensor(self.loss_sum, dtype=torch.float64, device=self.args.device)
+        return float(self.accelerator.reduce(total, reduction="mean"))
+
+    def log(self, logs: dict, *args, **kwargs) -> None:
+        if "train_loss" in logs and self.loss_sum is not None:
+            # The end of train(): Trainer's mean covers only the steps of this call, not those before a resume.
+            logs["train_loss"] = self.run_loss_sum() / max(self.state.global_step, 1)
+        super().log(logs, *args, **kwargs)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        check_finite(self.prompt_tokens, f"saving {output_dir or self.args.output_dir}")
+        super().save_model(output_dir, _internal_call)
+
+    def restore_record(self, checkpoint: str | os.PathLike) -> None:
+        """Take the initial evaluation and the loss so far from a checkpoint this trainer saved."""
+        path = Path(checkpoint) / RECORD_FILE
+        if not path.exists():
+            logger.warning("%s has no %s (an older checkpoint): the log will hold no initial evaluation, and "
+                           "its train_loss covers the resumed steps only", checkpoint, RECORD_FILE)
+            self.initial_eval, self.loss_sum = {}, None
+            return
+        record = json.loads(path.read_text())
+        self.initial_eval, self.loss_sum = record["initial_eval"], record["loss_sum"]
+
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)
         core = self.accelerator.unwrap_model(model)
@@ -46,13 +119,27 @@ class PromptTokenTrainer(Trainer):
         return rank_accuracy(torch.as_tensor(output.predictions), torch.as_tensor(output.label_ids)).tolist()
 
 
-class AdapterCheckpointCallback(TrainerCallback):
-    """Writes the decoder-format adapter into each ``checkpoint-STEP`` folder (main process only)."""
+class _GuardAndRecord(TrainerCallback):
+    """Checks the prompt tokens after every optimizer step; writes the adapter and the run's record into each
+    ``checkpoint-STEP`` folder (main process only)."""
 
-    def __init__(self, prompt_tokens: PromptTokens):
-        self.prompt_tokens = prompt_tokens
+    def __init__(self, trainer: PromptTokenTrainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        check_finite(self.trainer.prompt_tokens, f"step {state.global_step}")  # before any save of this step
+        return control
 
     def on_save(self, args, state, control, **kwargs):
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        check_finite(self.trainer.prompt_tokens, f"saving {folder}")
+        loss_sum = self.trainer.run_loss_sum() if self.trainer.loss_sum is not None else None  # every process
         if state.is_world_process_zero:
-            self.prompt_tokens.save_pretrained(f"{args.output_dir}/checkpoint-{state.global_step}")
+            self.trainer.prompt_tokens.save_pretrained(folder)
+            if loss_sum is not None:
+                record = {"global_step": state.global_step, "initial_eval": self.trainer.initial_eval,
+                          "loss_sum": loss_sum}
+                tmp = folder / f".{RECORD_FILE}.tmp"
+                tmp.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+                os.replace(tmp, folder / RECORD_FILE)
         return control
