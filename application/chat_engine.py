@@ -4,23 +4,47 @@ The web UI and its API call this; it knows nothing of gradio. Replies come as a 
 ``ReplyUpdate`` snapshots, one per forward pass and a last one with ``finished`` set: the whole text so
 far, the text split into pieces that did or did not come from accepted PPD guesses, and the running
 statistics. The snapshots are one object, updated in place.
+
+``prepare`` checks a request without touching the model (the app runs it before a request waits for the
+model): a message with text, a prompt that leaves room in the context window, settings within the UI's
+ranges. ``max_new_tokens`` may ask for more than the window has left after the prompt: the answer then
+stops where the window ends (``finish_reason`` ``"max_length"``).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Iterator
 
 from ppd.chat import chat_input_ids
 from ppd.cli import Loaded
 from ppd.config import CaptureMode, DecodeConfig
-from ppd.decoder import GenerationOutput
+from ppd.decoder import GenerationOutput, PromptTooLongError
+
+MAX_TEMPERATURE = 1.5  # the temperature slider's top; requests above it are refused
 
 
 class EmptyMessageError(ValueError):
     """The user message has no text."""
+
+
+class SettingError(ValueError):
+    """A decoding setting of a request is out of range; ``name`` is the setting's parameter name."""
+
+    def __init__(self, name: str, message: str):
+        super().__init__(message)
+        self.name = name
+
+
+@dataclass
+class Request:
+    """A checked request: the prompt's token ids and how to decode them."""
+
+    ids: list[int]
+    config: DecodeConfig
 
 
 @dataclass
@@ -34,6 +58,10 @@ class ReplyUpdate(GenerationOutput):
 
     def stats(self) -> dict:
         return {"method": self.method, **super().stats()}
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def message_text(content) -> str:
@@ -52,7 +80,8 @@ class ChatEngine:
     under a lock, which is never held between steps, so a caller that stops reading cannot block others.
 
     The decoder's steps are compiled and captured once, here (``startup_s`` says how long it took; nothing
-    on a CPU, where the step runs eager), and every later message reuses them and the same cache."""
+    on a CPU, where the step runs eager), and every later message reuses them and the same cache.
+    ``steps_run`` counts the forward passes of every reply so far (prefills included)."""
 
     def __init__(self, loaded: Loaded, capture: CaptureMode | str = CaptureMode.AUTO):
         self.loaded = loaded
@@ -60,6 +89,7 @@ class ChatEngine:
         self.decoder = loaded.decoder
         self.capture = CaptureMode(capture)
         self._lock = threading.Lock()
+        self.steps_run = 0
         methods = ("ppd", "baseline") if self.has_prompt_tokens else ("baseline",)
         self.startup_s = self.decoder.warmup(methods=methods, capture=self.capture)
 
@@ -69,7 +99,9 @@ class ChatEngine:
 
     @property
     def context_window(self) -> int:
-        return self.decoder.max_positions
+        """Tokens a prompt and its answer can fill together: the model's context window, or the decoder's
+        smaller cache (``--max_seq_len``)."""
+        return self.decoder.capacity
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         """Token ids of the conversation (``[{role, content}]``, last one the user's) in the chat template."""
@@ -80,33 +112,60 @@ class ChatEngine:
             raise EmptyMessageError("the message is empty")
         return chat_input_ids(self.tokenizer, clean)
 
+    def prepare(self, messages: list[dict], use_ppd: bool = True, temperature: float = 0.0,
+                max_new_tokens: int = 512, seed: int | None = None) -> Request:
+        """Check a request without running the model. Raises ``EmptyMessageError`` for an empty last message,
+        ``PromptTooLongError`` if the prompt leaves no room in the context window, and ``SettingError``
+        naming the setting for anything outside the UI's ranges (values may come from JSON: of any type)."""
+        if not isinstance(use_ppd, bool):
+            raise SettingError("use_ppd", f"use_ppd must be true or false, not {use_ppd!r}")
+        if not _is_number(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:  # also refuses nan and inf
+            raise SettingError("temperature", f"temperature must be a number from 0 to {MAX_TEMPERATURE}, "
+                                              f"not {temperature!r}")
+        window = self.context_window
+        if not _is_number(max_new_tokens) or not 1 <= max_new_tokens <= window or max_new_tokens % 1:
+            raise SettingError("max_new_tokens", f"max_new_tokens must be a whole number from 1 to {window} "
+                                                 f"(the context window), not {max_new_tokens!r}")
+        ids = self.prompt_ids(messages)
+        if len(ids) >= window:
+            raise PromptTooLongError(f"the prompt has {len(ids)} tokens but {self.decoder.capacity_reason} is "
+                                     f"{window}: no room for a single new token")
+        method = "ppd" if use_ppd and self.has_prompt_tokens else "baseline"
+        try:
+            config = DecodeConfig(method=method, max_new_tokens=int(max_new_tokens), temperature=float(temperature),
+                                  seed=seed, capture=self.capture)
+        except ValueError as error:  # DecodeConfig's own checks, which name the field first
+            name = next((n for n in ("temperature", "max_new_tokens") if str(error).startswith(n)), "settings")
+            raise SettingError(name, str(error)) from None
+        return Request(ids, config)
+
     def stream(self, messages: list[dict], use_ppd: bool = True, temperature: float = 0.0,
                max_new_tokens: int = 512, seed: int | None = None) -> Iterator[ReplyUpdate]:
-        """Reply to ``messages``; raises ``PromptTooLongError`` before the first update if the prompt does
-        not fit the context window and ``EmptyMessageError`` for an empty last message."""
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, not {max_new_tokens}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, not {temperature}")
-        method = "ppd" if use_ppd and self.has_prompt_tokens else "baseline"
-        ids = self.prompt_ids(messages)
-        config = DecodeConfig(method=method, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                              capture=self.capture)
-        steps = self.decoder.stream(ids, config)
+        """Reply to ``messages``; raises what ``prepare`` raises before the first update.
+
+        Closing the stream (``close()``, as gradio does when a client goes away) stops decoding at once: no
+        further forward pass runs and the decoder's cache is free for the next request."""
+        request = self.prepare(messages, use_ppd=use_ppd, temperature=temperature, max_new_tokens=max_new_tokens,
+                               seed=seed)
+        method = request.config.method.value
         update = ReplyUpdate(token_ids=[], steps=0, finish_reason=None, wall_time_s=0.0, method=method)
         start = time.perf_counter()
-        while True:
-            with self._lock:
-                step = next(steps, None)
-            if step is None:
-                break
-            tokens, guessed = step.tokens[0], step.guessed[0]
-            if step.step > 0 and tokens:
-                update.steps = step.step
-            self._extend(update, tokens, guessed)
-            update.finish_reason = step.finish_reason[0]
-            update.wall_time_s = time.perf_counter() - start
-            yield update
+        # closing(): the decoder's generator releases its cache when this one is closed, not when collected.
+        with closing(self.decoder.stream(request.ids, request.config)) as steps:
+            while True:
+                with self._lock:
+                    step = next(steps, None)
+                    if step is not None:
+                        self.steps_run += 1
+                if step is None:
+                    break
+                tokens, guessed = step.tokens[0], step.guessed[0]
+                if step.step > 0 and tokens:
+                    update.steps = step.step
+                self._extend(update, tokens, guessed)
+                update.finish_reason = step.finish_reason[0]
+                update.wall_time_s = time.perf_counter() - start
+                yield update
         update.finished = True
         yield update
 

@@ -9,24 +9,32 @@ Importing this module loads nothing: ``main`` loads the model, ``build_demo(engi
 gradio Blocks (tests start it themselves). Requests are queued and served one at a time, so no two
 answers share the model at once; each browser session's Stop ends only its own answer. Besides the
 chat, the app serves a named API endpoint, ``/generate`` (message, use_ppd, temperature,
-max_new_tokens -> text, stats), for ``gradio_client``.
+max_new_tokens -> text, stats), for ``gradio_client``. It takes what the UI's controls allow (temperature
+0..1.5, max_new_tokens 1..the context window) and checks each request when it arrives, before it waits
+for the model: an empty message, a prompt that leaves no room in the context window or a setting out of
+range is refused at once (HTTP 422 naming the parameter). A max_new_tokens beyond what the window has
+left after the prompt ends the answer where the window ends (finish_reason "max_length"). A client that
+goes away (or cancels) stops its answer at the next forward pass and frees the model for the next request.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterator
+from contextlib import closing
 
-from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_decoder
+from ppd.cli import LOAD_ERRORS, add_adapter_args, add_engine_args, add_model_args, load_decoder
 from ppd.decoder import PromptTooLongError
 
-from .chat_engine import ChatEngine, EmptyMessageError, ReplyUpdate, message_text
+from .chat_engine import MAX_TEMPERATURE, ChatEngine, ReplyUpdate, message_text
 
 GUESS_LABEL = "PPD guess"
 # Title of the chat notices, which are not part of the conversation the model sees.
 NOTICE = "⚠️ Not sent to the model: the conversation would not fit its context window"
 EMPTY_HINT = "Type a message first: empty messages are not sent."
 QUEUE = "model"  # every event that runs the model shares this queue, one at a time
+API_PARAMETERS = ("message", "use_ppd", "temperature", "max_new_tokens")  # /generate's, in order
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -81,32 +89,54 @@ def build_demo(engine: ChatEngine, max_new_tokens: int = 512, title: str | None 
             return  # nothing new to answer (an empty message was ignored)
         shown = history + [{"role": "assistant", "content": ""}]
         try:
-            for update in engine.stream(conversation, use_ppd=use_ppd, temperature=temperature,
-                                        max_new_tokens=int(limit)):
-                shown[-1] = {"role": "assistant", "content": update.text}
-                yield (shown, stats_markdown(update), gr.update(value=highlighted(update), visible=show_guesses),
-                       gr.update())
+            # gradio closes this generator when the browser goes away or Stop is pressed: closing the
+            # engine's stream with it ends the decoding there.
+            with closing(engine.stream(conversation, use_ppd=use_ppd, temperature=temperature,
+                                       max_new_tokens=limit)) as updates:
+                for update in updates:
+                    shown[-1] = {"role": "assistant", "content": update.text}
+                    yield (shown, stats_markdown(update),
+                           gr.update(value=highlighted(update), visible=show_guesses), gr.update())
         except PromptTooLongError as error:
             # The message leaves the conversation (and goes back into the box); a notice says why.
             notice = {"role": "assistant", "metadata": {"title": NOTICE, "status": "done"},
                       "content": f"{error}. Shorten the message or clear the chat; your text is back in the box."}
             yield (history[:-1] + [notice], "Nothing generated: the conversation is longer than the context window.",
                    gr.update(), message_text(history[-1]["content"]))
+        except ValueError as error:  # settings the sliders cannot send (a hand-made request)
+            raise gr.Error(str(error)) from None
 
     def regenerate_prepare(history: list[dict]):
         while history and history[-1]["role"] == "assistant":
             history = history[:-1]
         return history, "Answering again…"
 
-    def api_generate(message: str, use_ppd: bool = True, temperature: float = 0.0,
-                     max_new_tokens: int = 256) -> tuple[str, dict]:
-        """Answer one message (no history); returns the text and the decoding statistics."""
+    def api_check(message, use_ppd=True, temperature=0.0, max_new_tokens=256):
+        """/generate's validator: gradio runs it as the request arrives, before the request waits in the
+        model queue, and refuses the request (HTTP 422, ``gradio_client``'s ``ValidationError``) with the
+        message put on the parameter at fault."""
         try:
-            update = engine.reply([{"role": "user", "content": message}], use_ppd=use_ppd,
-                                  temperature=float(temperature), max_new_tokens=int(max_new_tokens))
-        except (PromptTooLongError, EmptyMessageError, ValueError) as error:
+            engine.prepare([{"role": "user", "content": message}], use_ppd=use_ppd, temperature=temperature,
+                           max_new_tokens=max_new_tokens)
+        except ValueError as error:  # EmptyMessageError, PromptTooLongError: the message; SettingError: its name
+            bad = getattr(error, "name", "message")
+            if bad not in API_PARAMETERS:
+                return gr.validate(False, str(error))
+            return [gr.validate(name != bad, str(error) if name == bad else "") for name in API_PARAMETERS]
+        return [gr.validate(True, "") for _ in API_PARAMETERS]
+
+    def api_generate(message: str, use_ppd: bool = True, temperature: float = 0.0,
+                     max_new_tokens: int = 256) -> Iterator[tuple[str, dict]]:
+        """Answer one message (no history): the text so far and the decoding statistics after every forward
+        pass, the last one the whole answer (what ``gradio_client``'s ``predict`` returns). A generator, so
+        that gradio can close it, and the decoding with it, when the client disconnects or cancels."""
+        try:
+            with closing(engine.stream([{"role": "user", "content": message}], use_ppd=use_ppd,
+                                       temperature=temperature, max_new_tokens=max_new_tokens)) as updates:
+                for update in updates:
+                    yield update.text, update.stats()
+        except ValueError as error:  # api_check refused these before queueing; the engine checks again
             raise gr.Error(str(error)) from None
-        return update.text, update.stats()
 
     with gr.Blocks(title="ppd chat") as demo:
         gr.Markdown(heading)
@@ -131,8 +161,8 @@ def build_demo(engine: ChatEngine, max_new_tokens: int = 512, title: str | None 
                 show_guesses = gr.Checkbox(value=False, label="Mark tokens from accepted PPD guesses",
                                            elem_id="show-guesses")
             with gr.Row():
-                temperature = gr.Slider(0.0, 1.5, value=0.0, step=0.05, label="Temperature (0 = greedy, lossless)",
-                                        elem_id="temperature")
+                temperature = gr.Slider(0.0, MAX_TEMPERATURE, value=0.0, step=0.05,
+                                        label="Temperature (0 = greedy, lossless)", elem_id="temperature")
                 limit = gr.Slider(1, engine.context_window, value=max_new_tokens, step=1, label="Max new tokens",
                                   elem_id="max-new-tokens")
 
@@ -153,7 +183,9 @@ def build_demo(engine: ChatEngine, max_new_tokens: int = 512, title: str | None 
                     api_visibility="private")
         show_guesses.change(lambda show: gr.update(visible=show), show_guesses, guesses, queue=False,
                             api_visibility="private")
-        gr.api(api_generate, api_name="generate", concurrency_limit=1, concurrency_id=QUEUE)
+        generate = gr.api(api_generate, api_name="generate", concurrency_limit=1, concurrency_id=QUEUE)
+        # gr.api has no validator argument (event listeners have); the registered function takes one as well.
+        demo.fns[generate["id"]].validator = api_check
     return demo
 
 
@@ -166,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--max_new_tokens must be >= 1")
     try:
         engine = ChatEngine(load_decoder(args), capture=args.capture)
-    except (ValueError, FileNotFoundError) as error:  # a bad model, adapter, tree or quantisation request
+    except LOAD_ERRORS as error:  # a bad model, adapter, tree or quantisation request
         parser.error(str(error))
     if args.max_new_tokens > engine.context_window:
         parser.error(f"--max_new_tokens {args.max_new_tokens} exceeds the context window ({engine.context_window})")

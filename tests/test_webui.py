@@ -1,45 +1,55 @@
 """The chat app: its engine on the real model, the /generate API through gradio_client, queued concurrent
-requests, and a real browser (Playwright driving Debian's Chromium) using the page as a person would."""
+requests, bad requests refused before they wait for the model, a client that goes away stopping its answer,
+and a real browser (Playwright driving Debian's Chromium) using the page as a person would."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import socket
 import subprocess
 import sys
 import threading
 import time
+import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from application import webui
-from application.chat_engine import ChatEngine, EmptyMessageError
+from application.chat_engine import MAX_TEMPERATURE, ChatEngine, EmptyMessageError, SettingError
 from ppd.chat import chat_input_ids
 from ppd.cli import load_decoder
-from ppd.decoder import PromptTooLongError
+from ppd.decoder import Decoder, PromptTooLongError
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = os.environ.get("PPD_CHROMIUM", "/usr/bin/chromium")
 QUESTION = "Why is the sky blue?"
+LONG_REQUEST = "Write the numbers from 1 to 1000, separated by commas."  # an answer of thousands of tokens
 # Under CI (.ci/run installs Chromium) a missing browser is a failure, not a skip.
 needs_chromium = pytest.mark.skipif(not Path(CHROMIUM).exists() and not os.environ.get("CI"),
                                     reason="needs Debian's chromium at /usr/bin/chromium (.ci/run installs it)")
 
 
 class RecordingEngine(ChatEngine):
-    """Notes when each reply starts and ends, so tests can see whether two replies overlapped."""
+    """Notes when each reply starts and ends, so tests can see whether two replies overlapped, and the last
+    snapshot of each (``finished`` is False where the reader closed the stream early)."""
 
     def __init__(self, loaded):
         super().__init__(loaded)
         self.spans: list[tuple[float, float]] = []
+        self.replies: list = []
 
     def stream(self, *args, **kwargs):
-        start = time.perf_counter()
+        start, update = time.perf_counter(), None
         try:
-            yield from super().stream(*args, **kwargs)
+            for update in super().stream(*args, **kwargs):
+                yield update
         finally:
             self.spans.append((start, time.perf_counter()))
+            self.replies.append(update)
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +166,165 @@ def test_two_concurrent_requests_are_queued_and_both_answered(engine, app_url):
     assert [r[0] for r in results] == solo
     (a_start, a_end), (b_start, b_end) = sorted(engine.spans)
     assert a_end <= b_start  # the second waited in the queue: no two answers ran on the model at once
+
+
+def _wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"gave up waiting {timeout} s for {what}"
+        time.sleep(0.05)
+
+
+def _assert_idle(engine, quiet_s: float = 3.0) -> None:
+    """No forward pass runs for ``quiet_s``: nothing is decoding."""
+    before = engine.steps_run
+    time.sleep(quiet_s)
+    assert engine.steps_run == before, "the engine kept decoding"
+
+
+def _post_json(url: str, body: dict):
+    """POST ``body`` as Python's json module writes it (nan and inf as NaN and Infinity, which httpx refuses)."""
+    import httpx
+
+    return httpx.post(url, content=json.dumps(body), headers={"content-type": "application/json"}, timeout=60)
+
+
+def _ask_short(engine, client) -> float:
+    """Ask a 24-token question through /generate; returns how long it waited for the model."""
+    sent = time.perf_counter()
+    _, stats = client.predict(QUESTION, True, 0.0, 24, api_name="/generate")
+    assert stats["new_tokens"] == 24
+    return min(start for start, _ in engine.spans if start >= sent) - sent
+
+
+def test_engine_checks_settings_and_prompt_before_the_model_runs(engine):
+    window = engine.context_window
+    user = [{"role": "user", "content": QUESTION}]
+    before = engine.steps_run
+    bad_settings = [
+        (dict(temperature=math.nan), "temperature",
+         f"temperature must be a number from 0 to {MAX_TEMPERATURE}, not nan"),
+        (dict(temperature=math.inf), "temperature", "not inf"),
+        (dict(temperature=-0.1), "temperature", "not -0.1"),
+        (dict(temperature=MAX_TEMPERATURE + 0.5), "temperature", "not 2.0"),
+        (dict(temperature="0.5"), "temperature", "not '0.5'"),
+        (dict(max_new_tokens=0), "max_new_tokens",
+         f"max_new_tokens must be a whole number from 1 to {window} (the context window), not 0"),
+        (dict(max_new_tokens=100_000), "max_new_tokens", "not 100000"),
+        (dict(max_new_tokens=12.5), "max_new_tokens", "not 12.5"),
+        (dict(max_new_tokens=math.nan), "max_new_tokens", "not nan"),
+        (dict(max_new_tokens=True), "max_new_tokens", "not True"),
+        (dict(use_ppd="no"), "use_ppd", "use_ppd must be true or false, not 'no'"),
+    ]
+    for settings, name, text in bad_settings:
+        with pytest.raises(SettingError, match=text.replace("(", r"\(").replace(")", r"\)")) as error:
+            engine.prepare(user, **settings)
+        assert error.value.name == name
+        with pytest.raises(SettingError):  # the stream refuses them too, before any forward pass
+            next(engine.stream(user, **settings))
+    with pytest.raises(EmptyMessageError, match="the message is empty"):
+        engine.prepare([{"role": "user", "content": " \n "}])
+    too_long = "word " * (window + 10)
+    n_prompt = len(engine.prompt_ids([{"role": "user", "content": too_long}]))
+    with pytest.raises(PromptTooLongError, match=f"the prompt has {n_prompt} tokens but the model's context window "
+                                                 f"is {window}: no room for a single new token"):
+        engine.prepare([{"role": "user", "content": too_long}])
+    assert engine.steps_run == before  # none of it reached the model
+    request = engine.prepare(user, use_ppd=False, temperature=0.7, max_new_tokens=24.0)  # a slider's float
+    assert request.ids == engine.prompt_ids(user)
+    assert (request.config.method.value, request.config.temperature, request.config.max_new_tokens) == (
+        "baseline", 0.7, 24)
+
+
+def test_max_new_tokens_beyond_what_the_window_leaves_ends_the_answer_at_the_window(engine):
+    user = [{"role": "user", "content": QUESTION}]
+    window = len(engine.prompt_ids(user)) + 6  # a decoder whose cache holds the prompt and 6 more tokens
+    small = Decoder(engine.decoder.model, engine.decoder.prompt_tokens, engine.decoder.trees,
+                    engine.decoder.eos_token_ids, max_seq_len=window)
+    chat = ChatEngine(replace(engine.loaded, decoder=small))
+    assert chat.context_window == window
+    reply = chat.reply(user, max_new_tokens=window)  # the whole window asked for: what is left is decoded
+    assert reply.finish_reason == "max_length" and reply.new_tokens == 6
+    with pytest.raises(SettingError, match=f"from 1 to {window} "):
+        chat.prepare(user, max_new_tokens=window + 1)
+    with pytest.raises(PromptTooLongError, match=f"tokens but the decoder's max_seq_len is {window}"):
+        chat.prepare([{"role": "user", "content": QUESTION + " word" * 10}], max_new_tokens=1)
+
+
+def test_bad_api_requests_are_refused_at_once_while_the_model_is_busy(engine, app_url):
+    """A long answer holds the model; bad requests behind it get their error at once, not after it; then
+    cancelling the long one through gradio_client stops its decoding and frees the model."""
+    from gradio_client import Client
+    from gradio_client.exceptions import ValidationError
+
+    window = engine.context_window
+    replies, before = len(engine.replies), engine.steps_run
+    long_job = Client(app_url, verbose=False).submit(LONG_REQUEST, True, 0.0, window, api_name="/generate")
+    _wait_for(lambda: engine.steps_run > before + 3, 60, "the long answer to decode")
+    client = Client(app_url, verbose=False)
+    too_long = "word " * (window + 10)
+    n_prompt = len(engine.prompt_ids([{"role": "user", "content": too_long}]))
+    bad = [
+        (("", True, 0.0, 24), "message", "the message is empty"),
+        (("  \n ", True, 0.0, 24), "message", "the message is empty"),
+        ((QUESTION, True, -1.0, 24), "temperature", "temperature must be a number from 0 to 1.5, not -1.0"),
+        ((QUESTION, True, 0.0, 100_000), "max_new_tokens",
+         f"max_new_tokens must be a whole number from 1 to {window} (the context window), not 100000"),
+        ((QUESTION, True, 0.0, 0), "max_new_tokens",
+         f"max_new_tokens must be a whole number from 1 to {window} (the context window), not 0"),
+        ((too_long, True, 0.0, 24), "message", f"the prompt has {n_prompt} tokens but the model's context window "
+                                               f"is {window}: no room for a single new token"),
+    ]
+    for args, name, text in bad:
+        start = time.perf_counter()
+        with pytest.raises(ValidationError) as error:
+            client.predict(*args, api_name="/generate")
+        assert str(error.value) == f"1 parameter(s) failed validation:\n- {name}: {text}"
+        assert time.perf_counter() - start < 10  # not queued behind the long answer
+    # gradio_client refuses to send nan or inf (not JSON); Python's json module and JavaScript clients do not.
+    for value in (math.nan, math.inf, "hot"):
+        start = time.perf_counter()
+        refused = _post_json(f"{app_url}gradio_api/call/generate", {"data": [QUESTION, True, value, 24]})
+        assert refused.status_code == 422 and time.perf_counter() - start < 10
+        assert refused.json()["detail"][2] == {
+            "__type__": "validate", "is_valid": False, "parameter_name": "temperature",
+            "message": f"temperature must be a number from 0 to 1.5, not {value!r}"}
+    assert not long_job.done() and len(engine.replies) == replies  # it ran all along
+
+    long_job.cancel()
+    _wait_for(lambda: len(engine.replies) > replies, 30, "the cancelled answer to stop")
+    stopped = engine.replies[-1]
+    assert not stopped.finished and stopped.new_tokens < window
+    _assert_idle(engine)
+    assert _ask_short(engine, client) < 10  # the model is free at once
+    assert len(engine.decoder.states.allocated) == 1  # the cancelled answer gave its cache back
+
+
+def test_a_client_that_disconnects_stops_its_answer(engine, app_url):
+    """Through gradio's REST API with raw HTTP: start a long answer, read a few of its steps, hang up. The
+    answer stops decoding and a short request sent right after is answered at once."""
+    import httpx
+    from gradio_client import Client
+
+    window = engine.context_window
+    replies, before = len(engine.replies), engine.steps_run
+    api = f"{app_url}gradio_api/call/generate"
+    with httpx.Client(timeout=60) as http:
+        event_id = http.post(api, json={"data": [LONG_REQUEST, True, 0.0, window]}).json()["event_id"]
+        steps = 0
+        with http.stream("GET", f"{api}/{event_id}") as events:
+            for line in events.iter_lines():
+                steps += line.startswith("event: generating")
+                if steps == 3:
+                    break  # leaving the block closes the connection: the client is gone
+    at_hangup = engine.steps_run
+    waited = _ask_short(engine, Client(app_url, verbose=False))  # sent right after the hang-up
+    assert waited < 20, f"the short request waited {waited:.0f} s for the model"  # a step or two of the long one
+    stopped = engine.replies[replies]
+    assert not stopped.finished and stopped.new_tokens < window
+    assert before + 1 + stopped.steps - at_hangup <= 5  # forward passes after the hang-up: a step or two
+    _assert_idle(engine)
+    assert len(engine.decoder.states.allocated) == 1
 
 
 @needs_chromium
