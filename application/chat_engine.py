@@ -22,7 +22,7 @@ from typing import Iterator
 from ppd.chat import chat_input_ids
 from ppd.cli import Loaded
 from ppd.config import CaptureMode, DecodeConfig
-from ppd.decoder import GenerationOutput, PromptTooLongError
+from ppd.decoder import GenerationOutput
 
 MAX_TEMPERATURE = 1.5  # the temperature slider's top; requests above it are refused
 
@@ -127,9 +127,7 @@ class ChatEngine:
             raise SettingError("max_new_tokens", f"max_new_tokens must be a whole number from 1 to {window} "
                                                  f"(the context window), not {max_new_tokens!r}")
         ids = self.prompt_ids(messages)
-        if len(ids) >= window:
-            raise PromptTooLongError(f"the prompt has {len(ids)} tokens but {self.decoder.capacity_reason} is "
-                                     f"{window}: no room for a single new token")
+        self.decoder.check_prompt_fits(len(ids))
         method = "ppd" if use_ppd and self.has_prompt_tokens else "baseline"
         try:
             config = DecodeConfig(method=method, max_new_tokens=int(max_new_tokens), temperature=float(temperature),

@@ -80,12 +80,9 @@ class Loaded:
     tree: str = "none"  # where the tree set came from
 
 
-def load_prompt_tokens(model, tokenizer, info: ModelInfo, adapter: str | None
-                       ) -> tuple[PromptTokens, str, Path | None]:
-    """The prompt tokens for ``model`` (the given adapter, the shipped one, or freshly initialised ones),
-    a description of their source, and their directory (``None`` when freshly initialised)."""
-    if adapter:
-        return PromptTokens.from_pretrained(adapter, model), str(Path(adapter)), Path(adapter)
+def default_prompt_tokens(model, tokenizer, info: ModelInfo) -> tuple[PromptTokens, str, Path | None]:
+    """The prompt tokens for ``model`` when no adapter is named (the shipped ones, or freshly initialised
+    ones), a description of their source, and their directory (``None`` when freshly initialised)."""
     shipped = packaged_adapter(info.model_id)
     if shipped is not None:
         return PromptTokens.from_pretrained(shipped, model), f"shipped:{shipped.name}", shipped
@@ -112,7 +109,7 @@ def load_decoder(args: argparse.Namespace, with_prompt_tokens: bool = True) -> L
             given_tokens.check_compatible(model)
             prompt_tokens, source, adapter_dir = given_tokens, str(Path(adapter)), Path(adapter)
         else:
-            prompt_tokens, source, adapter_dir = load_prompt_tokens(model, tokenizer, info, None)
+            prompt_tokens, source, adapter_dir = default_prompt_tokens(model, tokenizer, info)
         weight = model.get_input_embeddings().weight
         device_type, dtype = weight.device.type, str(weight.dtype).removeprefix("torch.")
         if given_trees is not None:

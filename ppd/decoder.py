@@ -147,6 +147,12 @@ class Decoder:
     def max_positions(self) -> int:
         return int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
 
+    def check_prompt_fits(self, num_tokens: int) -> None:
+        """Raise :class:`PromptTooLongError` unless a prompt of ``num_tokens`` leaves room for a new token."""
+        if num_tokens >= self.capacity:
+            raise PromptTooLongError(f"the prompt has {num_tokens} tokens but {self.capacity_reason} is "
+                                     f"{self.capacity}: no room for a single new token")
+
     def _new_state(self, batch_size: int) -> DecodeState:
         t = self.tables
         n_prompt = t.num_prompt_tokens if t else 0

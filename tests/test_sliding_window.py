@@ -11,11 +11,10 @@ import torch
 
 from ppd import DecodeConfig, Decoder
 from ppd.attention import LayerAttention
-from ppd.decoding.loop import prefill
-from ppd.decoding.step import generate_candidates, tree_decoding
 from ppd.prefill import build_prefill
 from tests.conftest import random_prompt_tokens, random_tree_set, tiny_model
 from tests.test_decoder import hf_greedy
+from tests.test_tree_forward import tree_step_rows
 
 WINDOW = 6
 ARCHS = ["mistral", "qwen2", "gemma2", "gemma3"]
@@ -70,32 +69,16 @@ def test_tree_forward_equals_per_path_forward_past_the_window(arch):
     attached prompt row equals the prefill of that path, with a prompt five windows long."""
     model = tiny_model(arch, window=WINDOW, seed=7)
     pt = random_prompt_tokens(model, n=3, v=2, seed=7)
-    trees = random_tree_set(7, size=10)
-    decoder = Decoder(model, pt, trees)
-    tables = decoder.tables
+    decoder = Decoder(model, pt, random_tree_set(7, size=10))
     prompt = [(7 * i + 1) % model.config.vocab_size for i in range(5 * WINDOW)]
-    state = decoder.states.acquire(1)
     with torch.no_grad():
-        for key in range(1, 4):
-            state.reset(1, [64], [2], [], 0, 1.0, 1.0, 0.0, 0.0)
-            prefill(decoder, [prompt], state, True, DecodeConfig())
-            state.key.fill_(key)
-            rows = generate_candidates(decoder.lm, tables, decoder.prompt_embeds(), state)
-            logits = decoder.lm.logits(tree_decoding(decoder.lm, state, rows, state.slot_ids[:state.capacity]))[0]
-            tree = trees.trees[key]
-            paths = [()] + sorted(tree.paths, key=lambda p: (len(p), p))
-            row_of = {p: r for r, p in enumerate(paths)}
-            node_tokens = rows.node_tokens[0].tolist()
-            for row, path in enumerate(paths):
-                tokens = prompt + [node_tokens[row_of[path[:j]]] for j in range(len(path) + 1)]
-                torch.testing.assert_close(logits[row], own_logits(model, tokens)[-1], rtol=1e-4, atol=1e-4)
-                n = int(tables.node_prompt_count[key, row])
-                inputs = build_prefill(model, [tokens], pt.embeddings[: n * 2], n, 2)
-                ref = model(inputs_embeds=inputs.embeds, attention_mask=inputs.mask,
-                            position_ids=inputs.positions).logits[0]
-                prompt_rows = tables.node_prompt_rows[key, row, : n * 2].tolist()
-                torch.testing.assert_close(logits[prompt_rows], ref[len(tokens): len(tokens) + 2 * n],
-                                           rtol=1e-4, atol=1e-4)
+        for logits, row, tokens, n, prompt_rows in tree_step_rows(decoder, prompt):
+            torch.testing.assert_close(logits[row], own_logits(model, tokens)[-1], rtol=1e-4, atol=1e-4)
+            inputs = build_prefill(model, [tokens], pt.embeddings[: n * 2], n, 2)
+            ref = model(inputs_embeds=inputs.embeds, attention_mask=inputs.mask,
+                        position_ids=inputs.positions).logits[0]
+            torch.testing.assert_close(logits[prompt_rows], ref[len(tokens): len(tokens) + 2 * n],
+                                       rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -104,10 +104,7 @@ def decode(decoder: "Decoder", batch: list[list[int]], config: DecodeConfig) -> 
     n = len(batch)
     lengths = [len(x) for x in batch]
     capacity = decoder.capacity
-    if max(lengths) >= capacity:
-        raise PromptTooLongError(
-            f"the prompt has {max(lengths)} tokens but {decoder.capacity_reason} is {capacity}: "
-            f"no room for a single new token")
+    decoder.check_prompt_fits(max(lengths))
     limits = [min(config.max_new_tokens, capacity - length) for length in lengths]
     limit_reasons = [LENGTH if config.max_new_tokens <= capacity - length else MAX_LENGTH for length in lengths]
     tables = decoder.tables if use_ppd else None
