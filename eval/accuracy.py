@@ -40,11 +40,10 @@ def make_parser() -> argparse.ArgumentParser:
 @torch.no_grad()
 def measure(model: PromptTokenModel, dataset, top_k: int, batch_size: int) -> torch.Tensor:
     collate = PromptTokenCollator()
-    device = model.base_model.get_input_embeddings().weight.device
     tops, targets = [], []
     for start in range(0, len(dataset), batch_size):
         batch = collate([dataset[i] for i in range(start, min(len(dataset), start + batch_size))])
-        logits = model.prompt_logits(batch["input_ids"].to(device), batch["lengths"])
+        logits = model.batch_logits(batch)
         tops.append(logits.topk(top_k, dim=-1).indices.cpu())
         targets.append(accuracy_targets(batch))
     return rank_accuracy(torch.cat(tops), torch.cat(targets))

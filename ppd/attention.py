@@ -79,37 +79,60 @@ def prefill_layout(
     lengths: list[int], num_prompt_tokens: int, num_ensemble: int, attention_type: AttentionType | str,
     device: torch.device | str = "cpu",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mask and positions for ``[x_b, prompt rows, padding]`` in each batch row b.
+    """Mask and positions for ``[x_b, prompt rows, padding]`` in each batch row b: the packed layout with
+    one cut at the end of every row (:func:`packed_layout`). Returns ``allowed`` bool [B, Q, Q] and
+    ``position_ids`` long [B, Q], ``Q = max(L) + N * V``."""
+    return packed_layout(lengths, [[n] for n in lengths], num_prompt_tokens, num_ensemble, attention_type, device)
 
-    Row b holds its ``lengths[b]`` real tokens at slots ``[0, L_b)``, then ``num_prompt_tokens * V``
-    prompt rows at ``[L_b, L_b + nV)`` (prompt token k at position ``L_b + k``), then padding up to
-    ``Q = max(L) + nV``. Real tokens attend causally; prompt rows see every real token of their row and
-    each other as ``attention_type`` says; padding sees only itself (never a fully masked row).
+
+def packed_layout(
+    lengths: list[int], cuts: list[list[int]], num_prompt_tokens: int, num_ensemble: int,
+    attention_type: AttentionType | str, device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask and positions for ``[x_b, block_1, ..., block_K, padding]``: many cuts of one sequence in one forward.
+
+    Row b holds its ``lengths[b]`` real tokens at slots ``[0, L_b)``; then, for its j-th cut ``c = cuts[b][j]``
+    (``1 <= c <= L_b``), a block of ``N * V`` prompt rows at ``[L_b + j*N*V, L_b + (j+1)*N*V)``, prompt token k
+    of the block at position ``c + k``; then padding up to ``Q = max_b(L_b + K_b * N * V)``. Real tokens
+    attend causally; a block's rows see the real tokens before their cut, ``x_b[:c]``, and each other as
+    ``attention_type`` says, never another block; padding sees only itself. So every block computes exactly
+    what the prompt tokens compute appended after ``x_b[:c]`` alone (the frozen real tokens never see a block).
 
     Returns ``allowed`` bool [B, Q, Q] and ``position_ids`` long [B, Q].
     """
+    if len(cuts) != len(lengths):
+        raise ValueError(f"{len(lengths)} sequences but cuts for {len(cuts)}")
+    for length, row in zip(lengths, cuts):
+        if any(not 1 <= c <= length for c in row):
+            raise ValueError(f"cuts {row} fall outside a sequence of {length} tokens (each must be in 1..{length})")
     n_rows = num_prompt_tokens * num_ensemble
+    most = max(len(row) for row in cuts)
     lengths_t = torch.tensor(lengths, device=device)
-    width = int(max(lengths)) + n_rows
+    cut_t = torch.tensor([row + [0] * (most - len(row)) for row in cuts], device=device).reshape(len(cuts), most)
+    count_t = torch.tensor([len(row) for row in cuts], device=device)
+    width = max(n + len(row) * n_rows for n, row in zip(lengths, cuts))
     slot = torch.arange(width, device=device)
     length = lengths_t[:, None]  # [B, 1]
     is_real = slot[None, :] < length  # [B, Q]
-    rel = slot[None, :] - length  # prompt row index where 0 <= rel < n_rows
-    is_prompt = (rel >= 0) & (rel < n_rows)
+    rel = slot[None, :] - length  # [B, Q]: offset past the real tokens
+    block = rel.clamp(min=0) // max(n_rows, 1)  # which cut a prompt row belongs to
+    is_prompt = (rel >= 0) & (block < count_t[:, None]) if n_rows else torch.zeros_like(is_real)
+    cut = cut_t.gather(1, block.clamp(max=max(most - 1, 0)))  # [B, Q], meaningful on prompt rows
 
     causal = slot[None, :, None] >= slot[None, None, :]  # [1, Q, Q] query >= key
     allowed = is_real[:, :, None] & is_real[:, None, :] & causal
     if n_rows:
-        block = prompt_block_mask(num_prompt_tokens, num_ensemble, attention_type).to(device)
-        r = rel.clamp(0, n_rows - 1)
-        pair = block[r[:, :, None], r[:, None, :]]  # [B, Q, Q]
-        allowed |= is_prompt[:, :, None] & (is_real[:, None, :] | (is_prompt[:, None, :] & pair))
+        pair_mask = prompt_block_mask(num_prompt_tokens, num_ensemble, attention_type).to(device)
+        r = rel.clamp(min=0) % n_rows
+        pair = pair_mask[r[:, :, None], r[:, None, :]] & (block[:, :, None] == block[:, None, :])  # [B, Q, Q]
+        sees_prefix = is_real[:, None, :] & (slot[None, None, :] < cut[:, :, None])
+        allowed |= is_prompt[:, :, None] & (sees_prefix | (is_prompt[:, None, :] & pair))
     is_pad = ~(is_real | is_prompt)
     allowed |= is_pad[:, :, None] & torch.eye(width, dtype=torch.bool, device=device)[None]
 
     positions = torch.where(is_real, slot[None, :], torch.zeros_like(slot)[None, :].expand_as(is_real))
     if n_rows:
-        positions = torch.where(is_prompt, length + rel.clamp(0, n_rows - 1) // num_ensemble, positions)
+        positions = torch.where(is_prompt, cut + (rel.clamp(min=0) % n_rows) // num_ensemble, positions)
     return allowed, positions
 
 

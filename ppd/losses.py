@@ -47,14 +47,18 @@ def topk_kl(student_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs:
     return kl_top + kl_tail
 
 
-def distillation_loss(student_logits, topk_ids, topk_logprobs, decay: float = 0.8) -> torch.Tensor:
-    """Scalar: batch mean of ``sum_i decay**i * KL_i / N``."""
+def distillation_loss(student_logits, topk_ids, topk_logprobs, decay: float = 0.8, reduce: bool = True) -> torch.Tensor:
+    """Scalar: batch mean of ``sum_i decay**i * KL_i / N`` (``reduce=False``: that sum per example, [B])."""
     kl = topk_kl(student_logits, topk_ids, topk_logprobs)
-    return (kl * position_weights(kl.shape[1], decay, kl.device)).sum(-1).mean()
+    losses = (kl * position_weights(kl.shape[1], decay, kl.device)).sum(-1)
+    return losses.mean() if reduce else losses
 
 
-def cross_entropy_loss(student_logits: torch.Tensor, targets: torch.Tensor, decay: float = 0.8) -> torch.Tensor:
-    """Scalar: batch mean of ``sum_i decay**i * CE(student_i, target_i) / N``; ``targets`` long [B, N]."""
+def cross_entropy_loss(student_logits: torch.Tensor, targets: torch.Tensor, decay: float = 0.8,
+                       reduce: bool = True) -> torch.Tensor:
+    """Scalar: batch mean of ``sum_i decay**i * CE(student_i, target_i) / N``; ``targets`` long [B, N]
+    (``reduce=False``: that sum per example, [B])."""
     logprobs = torch.log_softmax(student_logits.float(), dim=-1)
     nll = -logprobs.gather(-1, targets.long()[..., None]).squeeze(-1)  # [B, N]
-    return (nll * position_weights(nll.shape[1], decay, nll.device)).sum(-1).mean()
+    losses = (nll * position_weights(nll.shape[1], decay, nll.device)).sum(-1)
+    return losses.mean() if reduce else losses

@@ -2,7 +2,9 @@
 
 Shared by the decoder (which runs it against its KV cache) and by training (which runs it without a
 cache and back-propagates into the prompt-token table). Row b holds its real tokens at slots
-``[0, L_b)``, then the ``N * V`` prompt rows, then padding (see ``attention.prefill_layout``).
+``[0, L_b)``, then the ``N * V`` prompt rows, then padding (see ``attention.prefill_layout``). Training may
+pack many cuts of one sequence into a row: one block of prompt rows per cut, each seeing only the tokens
+before its cut (``attention.packed_layout``), so one forward trains every cut of a conversation.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import LayerAttention, prefill_layout, to_additive, within_window
+from .attention import LayerAttention, packed_layout, to_additive, within_window
 from .config import AttentionType
 
 
@@ -22,50 +24,57 @@ class PrefillInputs:
     positions: torch.Tensor  # long [B, Q]
     lengths: torch.Tensor  # long [B], real tokens of each row
     keep: torch.Tensor  # long [S], the slots whose logits the model computes (``logits_to_keep``)
-    where: torch.Tensor  # long [B, 1 + N*V], per row: index into ``keep`` of its last real token, then its prompt rows
+    where: torch.Tensor  # long [C, 1 + N*V], per cut: index into ``keep`` of its last input token, then its prompt rows
+    cut_rows: torch.Tensor  # long [C], the batch row of each cut (one cut per row, ``arange(B)``, unless packed)
 
     @property
     def width(self) -> int:
         return self.embeds.shape[1]
 
     def rows(self, logits: torch.Tensor) -> torch.Tensor:
-        """Logits of each row's last real token and prompt rows, [B, 1 + N*V, vocab], from logits [B, S, vocab]."""
-        batch = torch.arange(logits.shape[0], device=logits.device)[:, None]
-        return logits[batch, self.where]
+        """Logits of each cut's last input token and prompt rows, [C, 1 + N*V, vocab], from logits [B, S, vocab]."""
+        return logits[self.cut_rows[:, None], self.where]
 
 
 def build_prefill(model, batch: list[list[int]], prompt_table: torch.Tensor | None, num_prompt_tokens: int,
-                  num_ensemble: int = 1, attention_type: AttentionType | str = AttentionType.ENSEMBLE) -> PrefillInputs:
+                  num_ensemble: int = 1, attention_type: AttentionType | str = AttentionType.ENSEMBLE,
+                  cuts: list[list[int]] | None = None) -> PrefillInputs:
     """Inputs of one prefill forward over ``batch`` (lists of token ids) with the ``prompt_table`` rows
-    ([N * V, hidden], any dtype; gradients flow into it) appended after each row's tokens."""
+    ([N * V, hidden], any dtype; gradients flow into it) appended after each row's tokens, or, with
+    ``cuts``, one block of them per cut ``c`` of a row, reading that row's first ``c`` tokens."""
     embedding = model.get_input_embeddings()
     device = embedding.weight.device
     lengths = [len(x) for x in batch]
     if min(lengths) < 1:
         raise ValueError("every prompt needs at least one token")
-    allowed, positions = prefill_layout(lengths, num_prompt_tokens, num_ensemble, attention_type, device)
+    cuts = [[n] for n in lengths] if cuts is None else [list(row) for row in cuts]
+    allowed, positions = packed_layout(lengths, cuts, num_prompt_tokens, num_ensemble, attention_type, device)
     width = allowed.shape[1]
     ids = torch.zeros(len(batch), width, dtype=torch.long)
     for b, x in enumerate(batch):
         ids[b, : len(x)] = torch.as_tensor(x, dtype=torch.long)
     embeds = embedding(ids.to(device))
-    length_t = torch.tensor(lengths, device=device)
     n_rows = num_prompt_tokens * num_ensemble if prompt_table is not None else 0
+    # The logits read per cut: its last input token and its block of prompt rows (known on the host, so no
+    # device round trip). Only those slots' logits are computed.
+    wanted, cut_rows = [], []
+    for b, (n, row) in enumerate(zip(lengths, cuts)):
+        for j, c in enumerate(row):
+            wanted.append((b, [c - 1] + [n + j * n_rows + i for i in range(n_rows)]))
+            cut_rows.append(b)
     if n_rows:
-        slots = length_t[:, None] + torch.arange(n_rows, device=device)[None, :]  # [B, nV]
+        rel = torch.arange(width)[None, :] - torch.tensor(lengths)[:, None]  # [B, Q]
+        is_prompt = (rel >= 0) & (rel < torch.tensor([len(row) * n_rows for row in cuts])[:, None])
         table = prompt_table.to(device=device, dtype=embeds.dtype)
-        embeds = embeds.scatter(1, slots[..., None].expand(-1, -1, embeds.shape[-1]),
-                                table[None].expand(len(batch), -1, -1))
-    # Logits only where they are read: each row's last real token and its prompt rows (known on the host,
-    # so no device round trip).
-    wanted = [[n - 1 + i for i in range(1 + n_rows)] for n in lengths]
-    keep = sorted({slot for row in wanted for slot in row})
+        embeds = torch.where(is_prompt.to(device)[..., None], table[(rel.clamp(min=0) % n_rows).to(device)], embeds)
+    keep = sorted({slot for _, row in wanted for slot in row})
     index = {slot: i for i, slot in enumerate(keep)}
-    where = torch.tensor([[index[slot] for slot in row] for row in wanted], device=device)
+    where = torch.tensor([[index[slot] for slot in row] for _, row in wanted], device=device)
     layers = LayerAttention.of(model.config)
     masks = {kind: to_additive((allowed if window is None else allowed & within_window(positions, positions, window)
                                 )[:, None], embeds.dtype) for kind, window in layers.kinds.items()}
-    return PrefillInputs(embeds, layers.pack(masks), positions, length_t, torch.tensor(keep, device=device), where)
+    return PrefillInputs(embeds, layers.pack(masks), positions, torch.tensor(lengths, device=device),
+                         torch.tensor(keep, device=device), where, torch.tensor(cut_rows, device=device))
 
 
 def average_copies(prompt_logits: torch.Tensor, num_prompt_tokens: int, num_ensemble: int) -> torch.Tensor:

@@ -4,6 +4,11 @@
 module tree, so the optimizer, DDP, ``.to()`` and checkpoints see the N x V table alone: a checkpoint is
 a few kilobytes, nothing tries to move a 4-bit base, and the base cannot be trained by accident.
 Gradients still flow through the frozen base into the prompt-token embeddings.
+
+An example is a *cut*: the tokens before it, and targets for what follows. Cuts of the same conversation
+share their prefix, so a batch row may carry several: one sequence and one block of prompt tokens per cut,
+each block seeing only the tokens before its own cut (``prefill.build_prefill(..., cuts=...)``). The loss
+of a cut is the same whether it trains alone or packed with others; one forward then trains them all.
 """
 
 from __future__ import annotations
@@ -58,47 +63,125 @@ class PromptTokenModel(nn.Module):
             if isinstance(getattr(module, "attention_dropout", None), float):
                 module.attention_dropout = 0.0
 
-    def prompt_logits(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Logits [B, N, vocab] (float32, copies averaged) of each row's prompt tokens after its input."""
+    def prompt_logits(self, input_ids: torch.Tensor, lengths: torch.Tensor, cut_lengths: torch.Tensor | None = None,
+                      cut_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [C, N, vocab] (float32, copies averaged) of the prompt tokens of every cut.
+
+        Without ``cut_lengths`` each row is one cut at its end (``C = B``); with them, cut ``i`` reads the first
+        ``cut_lengths[i]`` tokens of batch row ``cut_rows[i]`` (the cuts of a row in increasing row order).
+        """
         config = self.prompt_tokens.config
         batch = [row[:n].tolist() for row, n in zip(input_ids, lengths.tolist())]
+        cuts = None
+        if cut_lengths is not None:
+            cuts = [[] for _ in batch]
+            for row, cut in zip(cut_rows.tolist(), cut_lengths.tolist()):
+                cuts[row].append(cut)
         inputs = build_prefill(self.base_model, batch, self.prompt_tokens(), config.num_prompt_tokens,
-                               config.num_ensemble, config.attention_type)
+                               config.num_ensemble, config.attention_type, cuts)
         out = self.base_model(inputs_embeds=inputs.embeds, attention_mask=inputs.mask, position_ids=inputs.positions,
                               use_cache=False, logits_to_keep=inputs.keep)
         return average_copies(inputs.rows(out.logits)[:, 1:], config.num_prompt_tokens, config.num_ensemble)
 
-    def loss(self, logits: torch.Tensor, labels=None, teacher_topk_ids=None, teacher_topk_logprobs=None):
+    def batch_logits(self, batch: dict) -> torch.Tensor:
+        """:meth:`prompt_logits` of a batch from :class:`PromptTokenCollator`."""
+        device = self.prompt_tokens.embeddings.device
+        return self.prompt_logits(batch["input_ids"].to(device), batch["lengths"], batch.get("cut_lengths"),
+                                  batch.get("cut_rows"))
+
+    def loss(self, logits: torch.Tensor, labels=None, teacher_topk_ids=None, teacher_topk_logprobs=None,
+             per_example: bool = False):
+        """The batch mean of the cuts' losses (``per_example``: the [C] losses themselves)."""
         if self.objective is Objective.DISTILLATION:
             if teacher_topk_ids is None or teacher_topk_logprobs is None:
                 raise ValueError("distillation needs a dataset with teacher_topk_ids and teacher_topk_logprobs "
                                  "(`python -m data_gen.generate --dataset_type distillation`)")
-            return distillation_loss(logits, teacher_topk_ids, teacher_topk_logprobs, self.decay)
-        return cross_entropy_loss(logits, labels[:, 1:], self.decay)
+            losses = distillation_loss(logits, teacher_topk_ids, teacher_topk_logprobs, self.decay, reduce=False)
+        else:
+            losses = cross_entropy_loss(logits, labels[:, 1:], self.decay, reduce=False)
+        return losses if per_example else losses.mean()
 
-    def forward(self, input_ids, lengths, labels=None, teacher_token_ids=None, teacher_topk_ids=None,
-                teacher_topk_logprobs=None) -> dict:
-        logits = self.prompt_logits(input_ids, lengths)
+    def forward(self, input_ids, lengths, cut_lengths=None, cut_rows=None, labels=None, teacher_token_ids=None,
+                teacher_topk_ids=None, teacher_topk_logprobs=None) -> dict:
+        logits = self.prompt_logits(input_ids, lengths, cut_lengths, cut_rows)
         return {"loss": self.loss(logits, labels, teacher_topk_ids, teacher_topk_logprobs), "logits": logits}
+
+
+TARGET_COLUMNS = ("labels", "teacher_token_ids", "teacher_topk_ids", "teacher_topk_logprobs")
 
 
 @dataclass
 class PromptTokenCollator:
-    """Pads ``input_ids`` (with their lengths) and stacks the fixed-size target columns."""
+    """Pads ``input_ids`` (with their lengths) and stacks the fixed-size target columns of every cut.
 
-    columns: tuple[str, ...] = ("labels", "teacher_token_ids", "teacher_topk_ids", "teacher_topk_logprobs")
+    A feature is one cut (a dataset row) or, from :class:`PackedCuts`, one sequence with its ``cut_lengths``
+    and a list of targets per column; either way the batch has ``cut_lengths`` and ``cut_rows`` [C] and targets [C, ...].
+    """
+
+    columns: tuple[str, ...] = TARGET_COLUMNS
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
         lengths = [len(f["input_ids"]) for f in features]
         input_ids = torch.zeros(len(features), max(lengths), dtype=torch.long)
+        cut_lengths, cut_rows = [], []
         for row, feature in enumerate(features):
             input_ids[row, : lengths[row]] = torch.as_tensor(feature["input_ids"], dtype=torch.long)
-        batch = {"input_ids": input_ids, "lengths": torch.tensor(lengths)}
+            cuts = feature.get("cut_lengths", [lengths[row]])
+            cut_lengths.extend(cuts)
+            cut_rows.extend([row] * len(cuts))
+        batch = {"input_ids": input_ids, "lengths": torch.tensor(lengths), "cut_lengths": torch.tensor(cut_lengths),
+                 "cut_rows": torch.tensor(cut_rows)}
         for column in self.columns:
             if column in features[0]:
                 dtype = torch.float32 if column == "teacher_topk_logprobs" else torch.long
-                batch[column] = torch.tensor([f[column] for f in features], dtype=dtype)
+                values = [v for f in features for v in (f[column] if "cut_lengths" in f else [f[column]])]
+                batch[column] = torch.tensor(values, dtype=dtype)
         return batch
+
+
+class PackedCuts(torch.utils.data.Dataset):
+    """The cuts of a dataset grouped by conversation: item g is one sequence with up to ``per_forward`` cuts.
+
+    ``data_gen`` writes the cuts of a conversation as consecutive rows with the same ``id``, each input a
+    prefix of the same tokens; an item holds the longest input, the cut points of every row (their input
+    lengths) and their targets, so :class:`PromptTokenModel` trains them in one forward. ``per_forward = 1``
+    gives one cut per item, as training without packing does.
+    """
+
+    def __init__(self, dataset, per_forward: int | None = None):
+        if per_forward is not None and per_forward < 1:
+            raise ValueError(f"cuts per forward must be at least 1, got {per_forward}")
+        self.dataset = dataset
+        self.columns = [c for c in TARGET_COLUMNS if c in dataset.column_names]
+        ids = dataset["id"] if "id" in dataset.column_names else list(range(len(dataset)))
+        self.groups: list[range] = []
+        start = 0
+        for i in range(1, len(ids) + 1):
+            if i == len(ids) or ids[i] != ids[start] or (per_forward and i - start == per_forward):
+                self.groups.append(range(start, i))
+                start = i
+
+    @property
+    def num_cuts(self) -> int:
+        return len(self.dataset)
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def __getitem__(self, index: int) -> dict:
+        rows = self.dataset[self.groups[index].start: self.groups[index].stop]
+        inputs = rows["input_ids"]
+        longest = max(range(len(inputs)), key=lambda i: len(inputs[i]))
+        sequence = list(inputs[longest])
+        for ids in inputs:
+            if list(ids) != sequence[: len(ids)]:
+                raise ValueError(f"rows {self.groups[index].start}..{self.groups[index].stop - 1} share the id "
+                                 f"{rows['id'][0]!r} but their inputs are not prefixes of one sequence: they cannot be "
+                                 "packed (train with --cuts_per_forward 1)")
+        # (``cut_lengths`` is also the model's argument name: Trainer drops item keys the model does not take.)
+        item = {"input_ids": sequence, "cut_lengths": [len(ids) for ids in inputs]}
+        item.update({column: rows[column] for column in self.columns})
+        return item
 
 
 def accuracy_targets(batch: dict) -> torch.Tensor:
@@ -124,12 +207,27 @@ def heldout_split(dataset, eval_size: float, seed: int):
     """``(train, held_out)``: ``eval_size`` examples (a share if < 1) held out by a seeded shuffle.
 
     Training and ``eval.accuracy`` call this with the same arguments, so accuracies are measured on
-    examples the prompt tokens never saw. ``held_out`` is ``None`` for ``eval_size == 0``.
+    examples the prompt tokens never saw. ``held_out`` is ``None`` for ``eval_size == 0``. Where several cuts
+    share a conversation (the same ``id``), whole conversations are held out (``eval_size`` then counts
+    conversations), so no held-out cut has its prefix in the training data; both splits keep the rows' order.
     """
     if not eval_size:
         return dataset, None
-    count = int(eval_size) if eval_size >= 1 else max(1, round(eval_size * len(dataset)))
-    if count >= len(dataset):
-        raise ValueError(f"holding out {count} examples leaves nothing to train on ({len(dataset)} examples)")
-    split = dataset.train_test_split(test_size=count, seed=seed)
-    return split["train"], split["test"]
+    ids = dataset["id"] if "id" in dataset.column_names else None
+    if ids is None or len(set(ids)) == len(ids):
+        count = int(eval_size) if eval_size >= 1 else max(1, round(eval_size * len(dataset)))
+        if count >= len(dataset):
+            raise ValueError(f"holding out {count} examples leaves nothing to train on ({len(dataset)} examples)")
+        split = dataset.train_test_split(test_size=count, seed=seed)
+        return split["train"], split["test"]
+    import numpy as np
+
+    unique = list(dict.fromkeys(ids))
+    count = int(eval_size) if eval_size >= 1 else max(1, round(eval_size * len(unique)))
+    if count >= len(unique):
+        raise ValueError(f"holding out {count} conversations leaves nothing to train on ({len(unique)} conversations)")
+    order = np.random.default_rng(seed).permutation(len(unique))
+    held = {unique[i] for i in order[:count]}
+    is_held = [i in held for i in ids]
+    return (dataset.select([r for r, h in enumerate(is_held) if not h]),
+            dataset.select([r for r, h in enumerate(is_held) if h]))

@@ -44,7 +44,7 @@ from ppd.config import AttentionType, PromptTokenConfig
 from ppd.dataset_info import DatasetType, PPDDatasetInfo
 from ppd.models import DEFAULT_MODEL, load_model, resolve_model
 from ppd.prompt_tokens import PromptTokens
-from ppd.training import Objective, PromptTokenCollator, PromptTokenModel, heldout_split
+from ppd.training import Objective, PackedCuts, PromptTokenCollator, PromptTokenModel, heldout_split
 
 logger = logging.getLogger("train")
 
@@ -82,6 +82,10 @@ class DataArguments:
     max_train_samples: int | None = field(default=None, metadata={"help": "train on the first K examples only"})
     model_max_length: int | None = field(default=None, metadata={
         "help": "drop examples whose input plus prompt tokens is longer"})
+    cuts_per_forward: int = field(default=0, metadata={
+        "help": "cuts of one conversation trained in one forward (each with its own block of prompt tokens "
+                "seeing only its own prefix); 0 = all of them, 1 = one cut per forward. A batch counts "
+                "conversations: --per_device_train_batch_size 4 with 8 cuts each trains 32 examples per forward"})
 
     def __post_init__(self):
         if not self.dataset_path:
@@ -91,6 +95,7 @@ class DataArguments:
         for name in ("max_train_samples", "model_max_length"):
             value = getattr(self, name)
             _require(value is None or value >= 1, name, value, "at least 1")
+        _require(self.cuts_per_forward >= 0, "cuts_per_forward", self.cuts_per_forward, "at least 0")
 
 
 @dataclass
@@ -182,7 +187,9 @@ def load_dataset_for(data_args: DataArguments, pt_args: PromptTokenArguments, mo
         dataset = dataset.select(range(min(data_args.max_train_samples, len(dataset))))
     if len(dataset) == 0:
         raise ValueError(f"{path} has no examples left to train on")
-    return dataset, eval_dataset, info
+    per_forward = data_args.cuts_per_forward or None
+    return (PackedCuts(dataset, per_forward), PackedCuts(eval_dataset, per_forward) if eval_dataset is not None
+            else None, info)
 
 
 def _first_targets(row: dict, n: int) -> dict:
@@ -276,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"train: error: {error}", file=sys.stderr)
         return 1
     train_seconds = time.perf_counter() - started
+    cuts_trained = trainer.total_cuts_trained()
     final, ranks = {}, None
     if eval_dataset is not None:
         final = trainer.evaluate()
@@ -293,10 +301,14 @@ def main(argv: list[str] | None = None) -> int:
             "model": dataclasses.asdict(model_info), "prompt_tokens": prompt_tokens.config.to_dict(),
             "objective": pt_args.objective.value, "loss_decay": pt_args.loss_decay,
             "dataset": {"path": str(Path(data_args.dataset_path).resolve()), "info": json.loads(data_info.to_json()),
-                        "train_examples": len(train_dataset),
-                        "eval_examples": len(eval_dataset) if eval_dataset is not None else 0},
+                        "train_examples": train_dataset.num_cuts, "train_sequences": len(train_dataset),
+                        "eval_examples": eval_dataset.num_cuts if eval_dataset is not None else 0,
+                        "cuts_per_forward": data_args.cuts_per_forward},
             "training_arguments": training_args.to_dict(), "world_size": training_args.world_size,
             "train_seconds": train_seconds,
+            # this call of train() (a resumed run counts the steps after the checkpoint)
+            "throughput": {"examples": cuts_trained, "seconds": train_seconds,
+                           "examples_per_s": cuts_trained / train_seconds if train_seconds > 0 else None},
             "train_metrics": result.metrics, "initial_eval": trainer.initial_eval, "final_eval": final,
             "rank_accuracy": ranks, "log_history": trainer.state.log_history,
             "hardware": torch.cuda.get_device_name(training_args.device) if training_args.device.type == "cuda"
@@ -307,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
         os.replace(tmp, output / "training_log.json")
         summary = ", ".join(f"{k.removeprefix('eval_')} {v:.3f}" for k, v in final.items()
                             if k.startswith("eval_top") or k == "eval_loss")
-        print(f"trained {result.global_step} steps in {train_seconds:.0f} s, final train loss "
+        print(f"trained {result.global_step} steps ({cuts_trained} examples, {cuts_trained / max(train_seconds, 1e-9):.1f}/s) in "
+              f"{train_seconds:.0f} s, final train loss "
               f"{result.metrics['train_loss']:.4f}; held out: {summary or 'no evaluation set'}; adapter in {output}")
     return 0
 

@@ -62,9 +62,11 @@ class PromptTokenTrainer(Trainer):
         # This process's training loss summed over every step of the run, the steps before a resumed checkpoint
         # included (None: resumed from a checkpoint without a record, so only Trainer's own mean is known).
         self.loss_sum: float | None = 0.0
+        self.cuts_trained = 0  # examples (cuts) this process trained on in this call of train()
         self.add_callback(_GuardAndRecord(self))
 
     def training_step(self, model, inputs, *args, **kwargs):
+        self.cuts_trained += int(inputs["cut_lengths"].numel())
         loss = super().training_step(model, inputs, *args, **kwargs)
         # One read-back per micro-batch, as Trainer's own nan/inf logging filter does.
         value = loss.item()
@@ -75,6 +77,11 @@ class PromptTokenTrainer(Trainer):
         if self.loss_sum is not None:
             self.loss_sum += value
         return loss
+
+    def total_cuts_trained(self) -> int:
+        """Examples (cuts) trained on by every process together in this call of train() (all of them call this)."""
+        count = torch.tensor(self.cuts_trained, dtype=torch.float64, device=self.args.device)
+        return int(self.accelerator.reduce(count, reduction="sum"))
 
     def run_loss_sum(self) -> float:
         """The summed training loss of the run so far, averaged over processes (all of them call this)."""
@@ -106,7 +113,7 @@ class PromptTokenTrainer(Trainer):
         inputs = self._prepare_inputs(inputs)
         core = self.accelerator.unwrap_model(model)
         with torch.no_grad():
-            logits = core.prompt_logits(inputs["input_ids"], inputs["lengths"])
+            logits = core.batch_logits(inputs)
             loss = core.loss(logits, inputs.get("labels"), inputs.get("teacher_topk_ids"),
                              inputs.get("teacher_topk_logprobs")).detach()
         if prediction_loss_only:

@@ -1,0 +1,120 @@
+"""Many cuts of one sequence in one forward: the same losses and gradients as each cut trained alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ppd.attention import packed_layout, prefill_layout
+from ppd.training import Objective, PackedCuts, PromptTokenCollator, PromptTokenModel, heldout_split
+
+from .conftest import random_prompt_tokens, tiny_model
+
+VOCAB = 40
+TOP_K = 6
+
+
+def _targets(generator, cuts: int, n: int) -> dict:
+    """Teacher-like targets for ``cuts`` examples: top-k ids and log-probabilities normalised below 1."""
+    ids = torch.stack([torch.randperm(VOCAB, generator=generator)[:TOP_K] for _ in range(cuts * n)])
+    logprobs = torch.log_softmax(torch.randn(cuts * n, TOP_K + 1, generator=generator), -1)[:, :TOP_K]
+    labels = torch.randint(VOCAB, (cuts, n + 1), generator=generator)
+    return {"teacher_topk_ids": ids.reshape(cuts, n, TOP_K), "teacher_topk_logprobs": logprobs.reshape(cuts, n, TOP_K),
+            "labels": labels}
+
+
+def _loss_and_grad(model: PromptTokenModel, batch: dict, per_example: bool = False):
+    model.prompt_tokens.embeddings.grad = None
+    logits = model.batch_logits(batch)
+    losses = model.loss(logits, batch["labels"], batch["teacher_topk_ids"], batch["teacher_topk_logprobs"],
+                        per_example=True)
+    losses.mean().backward()
+    return losses.detach(), model.prompt_tokens.embeddings.grad.clone()
+
+
+@pytest.mark.parametrize("arch,window,v,attention,objective", [
+    ("llama", None, 1, "ensemble", Objective.DISTILLATION),
+    ("qwen2", None, 2, "ensemble", Objective.DISTILLATION),
+    ("mistral", 9, 2, "decoder", Objective.CROSS_ENTROPY),
+])
+def test_packed_cuts_give_the_losses_and_gradients_of_single_cuts(arch, window, v, attention, objective):
+    model = tiny_model(arch, vocab=VOCAB, window=window)
+    n = 3
+    trainer = PromptTokenModel(model, random_prompt_tokens(model, n=n, v=v, attention=attention, seed=1), objective)
+    generator = torch.Generator().manual_seed(0)
+    sequences = [torch.randint(VOCAB, (37,), generator=generator).tolist(),
+                 torch.randint(VOCAB, (21,), generator=generator).tolist()]
+    cuts = [[4, 12, 13, 30, 37], [1, 21]]
+    total = sum(len(c) for c in cuts)
+    targets = _targets(generator, total, n)
+
+    features, singles, i = [], [], 0
+    for seq, row in zip(sequences, cuts):
+        features.append({"input_ids": seq[: max(row)], "cut_lengths": row,
+                         **{k: v[i: i + len(row)].tolist() for k, v in targets.items()}})
+        for c in row:
+            singles.append({"input_ids": seq[:c], **{k: v[i].tolist() for k, v in targets.items()}})
+            i += 1
+    collate = PromptTokenCollator()
+    packed_losses, packed_grad = _loss_and_grad(trainer, collate(features))
+    # One cut per forward, and all single cuts in one padded batch: both the same as packed.
+    alone = [_loss_and_grad(trainer, collate([s])) for s in singles]
+    single_losses = torch.cat([loss for loss, _ in alone])
+    single_grad = torch.stack([grad for _, grad in alone]).mean(0)
+    batched_losses, batched_grad = _loss_and_grad(trainer, collate(singles))
+
+    torch.testing.assert_close(packed_losses, single_losses, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(batched_losses, single_losses, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(packed_grad, single_grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(batched_grad, single_grad, rtol=1e-4, atol=1e-6)
+    assert packed_grad.abs().sum() > 0
+
+
+def test_one_cut_at_the_end_is_the_prefill_layout():
+    for lengths in ([5], [3, 7, 1]):
+        packed = packed_layout(lengths, [[n] for n in lengths], 3, 2, "ensemble")
+        plain = prefill_layout(lengths, 3, 2, "ensemble")
+        assert all(torch.equal(a, b) for a, b in zip(packed, plain))
+    allowed, positions = packed_layout([6], [[2, 6]], 2, 1, "ensemble")
+    # block of cut 2 at slots 6, 7 (positions 2, 3): sees tokens 0, 1 and its own earlier rows only
+    assert positions[0].tolist() == [0, 1, 2, 3, 4, 5, 2, 3, 6, 7]
+    assert allowed[0, 7].nonzero().flatten().tolist() == [0, 1, 6, 7]
+    assert allowed[0, 9].nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 5, 8, 9]
+    with pytest.raises(ValueError, match="outside a sequence of 6"):
+        packed_layout([6], [[7]], 2, 1, "ensemble")
+
+
+def _rows(ids_and_lengths):
+    import datasets
+
+    rows = []
+    for conversation, lengths in ids_and_lengths:
+        sequence = list(range(100, 100 + max(lengths) + 4))
+        for n in lengths:
+            rows.append({"id": conversation, "input_ids": sequence[:n], "labels": sequence[n: n + 4]})
+    return datasets.Dataset.from_list(rows)
+
+
+def test_packed_dataset_groups_cuts_by_conversation():
+    dataset = _rows([("a", [3, 5, 9]), ("b", [4]), ("c", [2, 6])])
+    packed = PackedCuts(dataset)
+    assert len(packed) == 3 and packed.num_cuts == 6
+    assert packed[0]["cut_lengths"] == [3, 5, 9] and packed[0]["input_ids"] == list(range(100, 109))
+    assert [len(g) for g in PackedCuts(dataset, per_forward=2).groups] == [2, 1, 1, 2]
+    assert len(PackedCuts(dataset, per_forward=1)) == 6
+    batch = PromptTokenCollator()([packed[0], packed[2]])
+    assert batch["cut_lengths"].tolist() == [3, 5, 9, 2, 6] and batch["cut_rows"].tolist() == [0, 0, 0, 1, 1]
+    assert batch["labels"].shape == (5, 4)
+    broken = dataset.map(lambda row, i: {"input_ids": row["input_ids"][:-1] + [7] if i == 1 else row["input_ids"]},
+                         with_indices=True)
+    with pytest.raises(ValueError, match="not prefixes of one sequence"):
+        PackedCuts(broken)[0]
+
+
+def test_held_out_split_keeps_conversations_whole():
+    dataset = _rows([(f"c{i}", [2, 3, 5][: 1 + i % 3]) for i in range(30)])
+    train, held = heldout_split(dataset, 0.2, seed=3)
+    assert set(train["id"]).isdisjoint(held["id"])
+    assert len(set(held["id"])) == 6 and len(train) + len(held) == len(dataset)
+    again_train, again_held = heldout_split(dataset, 0.2, seed=3)
+    assert again_held["id"] == held["id"]
