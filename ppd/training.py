@@ -204,30 +204,42 @@ def rank_accuracy(top_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def heldout_split(dataset, eval_size: float, seed: int):
-    """``(train, held_out)``: ``eval_size`` examples (a share if < 1) held out by a seeded shuffle.
+    """``(train, held_out)``: conversations held out for evaluation, chosen by a seeded hash of their ``id``.
 
-    Training and ``eval.accuracy`` call this with the same arguments, so accuracies are measured on
-    examples the prompt tokens never saw. ``held_out`` is ``None`` for ``eval_size == 0``. Where several cuts
-    share a conversation (the same ``id``), whole conversations are held out (``eval_size`` then counts
-    conversations), so no held-out cut has its prefix in the training data; both splits keep the rows' order.
+    Training, ``eval.accuracy`` and ``eval.replay`` call this with the same arguments, so measurements are
+    made on conversations the prompt tokens never saw. A conversation is held out when the hash of
+    ``(seed, id)`` falls below ``eval_size`` (a share, < 1), or is among the ``eval_size`` lowest (a count,
+    >= 1): every cut of a conversation goes to the same side, and a dataset of cuts and the dataset of the
+    conversations they were cut from (the same ids) hold out the same conversations. Both splits keep the
+    rows' order. ``held_out`` is ``None`` for ``eval_size == 0``; a dataset without ``id`` is split by rows.
     """
     if not eval_size:
         return dataset, None
-    ids = dataset["id"] if "id" in dataset.column_names else None
-    if ids is None or len(set(ids)) == len(ids):
+    if "id" not in dataset.column_names:
         count = int(eval_size) if eval_size >= 1 else max(1, round(eval_size * len(dataset)))
         if count >= len(dataset):
             raise ValueError(f"holding out {count} examples leaves nothing to train on ({len(dataset)} examples)")
         split = dataset.train_test_split(test_size=count, seed=seed)
         return split["train"], split["test"]
-    import numpy as np
-
-    unique = list(dict.fromkeys(ids))
-    count = int(eval_size) if eval_size >= 1 else max(1, round(eval_size * len(unique)))
-    if count >= len(unique):
-        raise ValueError(f"holding out {count} conversations leaves nothing to train on ({len(unique)} conversations)")
-    order = np.random.default_rng(seed).permutation(len(unique))
-    held = {unique[i] for i in order[:count]}
+    ids = dataset["id"]
+    score = {i: _id_hash(seed, i) for i in dict.fromkeys(ids)}
+    if eval_size >= 1:
+        if int(eval_size) >= len(score):
+            raise ValueError(f"holding out {int(eval_size)} conversations leaves nothing to train on "
+                             f"({len(score)} conversations)")
+        held = set(sorted(score, key=score.get)[: int(eval_size)])
+    else:
+        held = {i for i, h in score.items() if h < eval_size} or {min(score, key=score.get)}
+        if len(held) == len(score):
+            raise ValueError(f"--eval_size {eval_size} holds out all {len(score)} conversations")
     is_held = [i in held for i in ids]
     return (dataset.select([r for r, h in enumerate(is_held) if not h]),
             dataset.select([r for r, h in enumerate(is_held) if h]))
+
+
+def _id_hash(seed: int, conversation_id) -> float:
+    """A number in [0, 1) fixed by the seed and the id alone."""
+    import hashlib
+
+    digest = hashlib.sha256(f"{seed}\0{conversation_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2 ** 64

@@ -112,9 +112,15 @@ def test_packed_dataset_groups_cuts_by_conversation():
 
 
 def test_held_out_split_keeps_conversations_whole():
-    dataset = _rows([(f"c{i}", [2, 3, 5][: 1 + i % 3]) for i in range(30)])
+    dataset = _rows([(f"c{i}", [2, 3, 5][: 1 + i % 3]) for i in range(60)])
     train, held = heldout_split(dataset, 0.2, seed=3)
-    assert set(train["id"]).isdisjoint(held["id"])
-    assert len(set(held["id"])) == 6 and len(train) + len(held) == len(dataset)
-    again_train, again_held = heldout_split(dataset, 0.2, seed=3)
-    assert again_held["id"] == held["id"]
+    assert set(train["id"]).isdisjoint(held["id"]) and len(train) + len(held) == len(dataset)
+    assert 4 <= len(set(held["id"])) <= 24
+    assert heldout_split(dataset, 0.2, seed=3)[1]["id"] == held["id"]
+    assert heldout_split(dataset, 0.2, seed=4)[1]["id"] != held["id"]
+    # The conversations themselves (one row each, some missing) hold out the same ones as their cuts.
+    conversations = _rows([(f"c{i}", [5]) for i in range(60) if i % 7])
+    assert set(heldout_split(conversations, 0.2, seed=3)[1]["id"]) == set(held["id"]) - {f"c{i}" for i in range(0, 60, 7)}
+    assert len(set(heldout_split(dataset, 7, seed=3)[1]["id"])) == 7
+    with pytest.raises(ValueError, match="leaves nothing to train on"):
+        heldout_split(dataset, 60, seed=3)
