@@ -39,7 +39,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 @torch.no_grad()
 def measure(model: PromptTokenModel, dataset, top_k: int, batch_size: int) -> torch.Tensor:
-    collate = PromptTokenCollator()
+    collate = PromptTokenCollator(num_prompt_tokens=model.prompt_tokens.num_prompt_tokens)
     tops, targets = [], []
     for start in range(0, len(dataset), batch_size):
         batch = collate([dataset[i] for i in range(start, min(len(dataset), start + batch_size))])

@@ -132,10 +132,21 @@ class Answerer:
         return {"token_ids": tokens, "steps": max(1, self.counter.count - 1), "wall_time_s": wall,
                 "finish_reason": finish, "compiled_graphs": _compiled_graphs() - graphs}
 
-    def prompt_ids(self, bench: str, messages: list[dict]) -> list[int]:
-        if bench in RAW_PROMPT:
-            return plain_input_ids(self.tokenizer, messages[-1]["content"])
-        return chat_input_ids(self.tokenizer, messages)
+
+def turn_messages(turns: list[str], answers: list[str]) -> list[dict]:
+    """The conversation that asks user turn ``len(answers)``: the turns before it, each followed by the
+    model's own answer text (as recorded), then that turn."""
+    messages = []
+    for text, answer in zip(turns, answers):
+        messages += [{"role": "user", "content": text}, {"role": "assistant", "content": answer}]
+    return messages + [{"role": "user", "content": turns[len(answers)]}]
+
+
+def prompt_ids(tokenizer, bench: str, messages: list[dict]) -> list[int]:
+    """The prompt of a turn: the chat template over the conversation, or the raw text of completion benchmarks."""
+    if bench in RAW_PROMPT:
+        return plain_input_ids(tokenizer, messages[-1]["content"])
+    return chat_input_ids(tokenizer, messages)
 
 
 def _compiled_graphs() -> int:
@@ -206,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     answerer.start()
-    first = answerer.prompt_ids(args.bench, [{"role": "user", "content": questions[0].turns[0]}])
+    first = prompt_ids(answerer.tokenizer, args.bench, turn_messages(questions[0].turns, []))
     for _ in range(args.warmup):
         answerer.answer(first, min(max_new_tokens, 64))
     if args.method == "hf_static" and args.warmup:
@@ -218,14 +229,13 @@ def main(argv: list[str] | None = None) -> int:
     with output.open("a", encoding="utf-8") as sink, tqdm(total=total_turns, unit="turn", desc=args.method) as bar:
         for question in questions:
             for run in range(args.num_runs):
-                messages: list[dict] = []
-                for turn, text in enumerate(question.turns):
-                    messages.append({"role": "user", "content": text})
+                answers: list[str] = []
+                for turn in range(len(question.turns)):
                     key = (question.question_id, turn, run)
                     if key in done:
                         record = done[key]
                     else:
-                        ids = answerer.prompt_ids(args.bench, messages)
+                        ids = prompt_ids(answerer.tokenizer, args.bench, turn_messages(question.turns, answers))
                         result = answerer.answer(ids, max_new_tokens)
                         record = {
                             "bench": args.bench, "question_id": question.question_id, "turn": turn, "run": run,
@@ -244,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
                         new_tokens += record["new_tokens"]
                         steps += record["steps"]
                         wall += record["wall_time_s"]
-                    messages.append({"role": "assistant", "content": record["text"]})
+                    answers.append(record["text"])
                     bar.update(1)
     if steps:
         print(f"{args.bench} / {args.method}: {new_tokens} new tokens in {wall:.1f} s = {new_tokens / wall:.1f} "

@@ -118,6 +118,7 @@ class PromptTokenCollator:
     and a list of targets per column; either way the batch has ``cut_lengths`` and ``cut_rows`` [C] and targets [C, ...].
     """
 
+    num_prompt_tokens: int | None = None  # targets kept: the first N (a dataset may carry more)
     columns: tuple[str, ...] = TARGET_COLUMNS
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
@@ -135,6 +136,9 @@ class PromptTokenCollator:
             if column in features[0]:
                 dtype = torch.float32 if column == "teacher_topk_logprobs" else torch.long
                 values = [v for f in features for v in (f[column] if "cut_lengths" in f else [f[column]])]
+                if self.num_prompt_tokens is not None:  # the root's label, then one target per prompt token
+                    keep = self.num_prompt_tokens + (column in ("labels", "teacher_token_ids"))
+                    values = [v[:keep] for v in values]
                 batch[column] = torch.tensor(values, dtype=dtype)
         return batch
 

@@ -94,6 +94,15 @@ def test_packed_cuts_train_every_cut_of_a_conversation(tmp_path):
     # 4 steps of 4 conversations, each trained on all of its cuts in one forward
     assert 4 * 4 < log["throughput"]["examples"] <= 4 * 4 * 4
     assert log["final_eval"]["eval_loss"] < log["initial_eval"]["initial_loss"]
+    # two datasets mixed: every example of both, the second one made for more prompt tokens than trained
+    more = tmp_path / "cuts2-n4"
+    assert generate.main(["--dataset_type", "finetune", "--output_path", str(more), "--max_samples", "20",
+                          "--model_max_length", "96", "--cuts_per_conversation", "2", "--num_prompt_tokens", "4",
+                          "--shard_size", "20"]) == 0
+    mixed = run_train(tmp_path, tmp_path / "mixed", "--max_steps", "2", "--trainer_type", "cross_entropy",
+                      "--eval_size", "0", "--dataset_path", str(data), str(more))
+    assert mixed["dataset"]["train_examples"] == rows + len(datasets.load_from_disk(str(more)))
+    assert len(mixed["dataset"]["info"]) == 2
 
 
 def test_trained_adapter_decodes_losslessly(datasets_dir, tmp_path, real_model):

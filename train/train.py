@@ -76,7 +76,8 @@ class ModelArguments:
 
 @dataclass
 class DataArguments:
-    dataset_path: str = field(default=None, metadata={"help": "a dataset folder made by `python -m data_gen.generate`"})
+    dataset_path: list[str] = field(default=None, metadata={
+        "help": "a dataset folder made by `python -m data_gen.generate`, or several: their examples are mixed"})
     eval_size: float = field(default=0.02, metadata={
         "help": "held-out share (< 1) or count (>= 1) of examples for evaluation; 0 = none"})
     max_train_samples: int | None = field(default=None, metadata={"help": "train on the first K examples only"})
@@ -157,22 +158,26 @@ def load_dataset_for(data_args: DataArguments, pt_args: PromptTokenArguments, mo
     """The train and held-out splits, after checking that the dataset fits the model and the objective."""
     import datasets
 
-    path = Path(data_args.dataset_path)
-    if path.suffix == ".pt" or not path.is_dir():
-        raise ValueError(f"{path} is not a dataset folder: train on the output of `python -m data_gen.generate` "
-                         "(torch pickles of the reference implementation are not read)")
-    dataset = datasets.load_from_disk(str(path))
-    info = PPDDatasetInfo.of(dataset)
-    info.check_model(model_id)
-    if info.num_prompt_tokens < pt_args.num_prompt_tokens:
-        raise ValueError(f"{path} has targets for {info.num_prompt_tokens} prompt tokens; "
-                         f"--num_prompt_tokens {pt_args.num_prompt_tokens} needs a dataset made for that many")
-    if pt_args.objective is Objective.DISTILLATION and info.dataset_type != DatasetType.DISTILLATION.value:
-        raise ValueError(f"{path} is a {info.dataset_type} dataset without teacher targets: make a distillation "
-                         "dataset from it or pass --trainer_type cross_entropy")
+    parts, infos = [], []
+    for name in data_args.dataset_path:
+        path = Path(name)
+        if path.suffix == ".pt" or not path.is_dir():
+            raise ValueError(f"{path} is not a dataset folder: train on the output of `python -m data_gen.generate` "
+                             "(torch pickles of the reference implementation are not read)")
+        dataset = datasets.load_from_disk(str(path))
+        info = PPDDatasetInfo.of(dataset)
+        info.check_model(model_id)
+        if info.num_prompt_tokens < pt_args.num_prompt_tokens:
+            raise ValueError(f"{path} has targets for {info.num_prompt_tokens} prompt tokens; "
+                             f"--num_prompt_tokens {pt_args.num_prompt_tokens} needs a dataset made for that many")
+        if pt_args.objective is Objective.DISTILLATION and info.dataset_type != DatasetType.DISTILLATION.value:
+            raise ValueError(f"{path} is a {info.dataset_type} dataset without teacher targets: make a distillation "
+                             "dataset from it or pass --trainer_type cross_entropy")
+        parts.append(dataset)
+        infos.append(info)
+    # Datasets made for more prompt tokens than trained keep all their targets; the collator reads the first ones.
+    dataset = parts[0] if len(parts) == 1 else _mix(parts, data_args.dataset_path)
     n = pt_args.num_prompt_tokens
-    if n < info.num_prompt_tokens:  # train fewer prompt tokens than the data has targets for
-        dataset = dataset.map(lambda row: _first_targets(row, n), desc="keeping the first targets")
     if data_args.model_max_length:
         limit = data_args.model_max_length - n * pt_args.num_ensemble
         before = len(dataset)
@@ -186,18 +191,25 @@ def load_dataset_for(data_args: DataArguments, pt_args: PromptTokenArguments, mo
     if data_args.max_train_samples:
         dataset = dataset.select(range(min(data_args.max_train_samples, len(dataset))))
     if len(dataset) == 0:
-        raise ValueError(f"{path} has no examples left to train on")
+        raise ValueError(f"{' + '.join(data_args.dataset_path)} has no examples left to train on")
     per_forward = data_args.cuts_per_forward or None
     return (PackedCuts(dataset, per_forward), PackedCuts(eval_dataset, per_forward) if eval_dataset is not None
-            else None, info)
+            else None, infos)
 
 
-def _first_targets(row: dict, n: int) -> dict:
-    out = {"labels": row["labels"][: n + 1]}
-    if "teacher_token_ids" in row:
-        out.update(teacher_token_ids=row["teacher_token_ids"][: n + 1], teacher_topk_ids=row["teacher_topk_ids"][:n],
-                   teacher_topk_logprobs=row["teacher_topk_logprobs"][:n])
-    return out
+def _mix(parts: list, names: list[str]):
+    """The examples of several datasets in one (their columns must agree: the same kind of targets and top-k)."""
+    import datasets
+
+    shapes = {tuple(sorted(d.column_names)) for d in parts}
+    widths = {len(d[0]["teacher_topk_ids"][0]) for d in parts if "teacher_topk_ids" in d.column_names}
+    if len(shapes) > 1 or len(widths) > 1:
+        raise ValueError(f"{', '.join(names)} cannot be mixed: their columns or teacher top-k differ "
+                         "(make them with the same --dataset_type and --top_k)")
+    try:
+        return datasets.concatenate_datasets(parts)
+    except ValueError as error:
+        raise ValueError(f"{', '.join(names)} cannot be mixed: {error}") from None
 
 
 def load_base(model_args: ModelArguments, device: torch.device, gradient_checkpointing: bool):
@@ -264,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     model = PromptTokenModel(base, prompt_tokens, pt_args.objective, pt_args.loss_decay)
     trainer = PromptTokenTrainer(
         model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-        data_collator=PromptTokenCollator(), compute_metrics=accuracy_metrics,
+        data_collator=PromptTokenCollator(num_prompt_tokens=pt_args.num_prompt_tokens), compute_metrics=accuracy_metrics,
     )
     resume = training_args.resume_from_checkpoint
     if resume in ("latest", "true", "True"):
@@ -300,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         log = {
             "model": dataclasses.asdict(model_info), "prompt_tokens": prompt_tokens.config.to_dict(),
             "objective": pt_args.objective.value, "loss_decay": pt_args.loss_decay,
-            "dataset": {"path": str(Path(data_args.dataset_path).resolve()), "info": json.loads(data_info.to_json()),
+            "dataset": {"path": [str(Path(p).resolve()) for p in data_args.dataset_path],
+                        "info": [json.loads(i.to_json()) for i in data_info],
                         "train_examples": train_dataset.num_cuts, "train_sequences": len(train_dataset),
                         "eval_examples": eval_dataset.num_cuts if eval_dataset is not None else 0,
                         "cuts_per_forward": data_args.cuts_per_forward},
