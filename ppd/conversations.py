@@ -163,12 +163,8 @@ def _turns(record) -> tuple[Sequence, str, str]:
     raise MalformedRecord("no 'conversations' or 'messages'")
 
 
-def to_messages(record) -> list[dict]:
-    """Normalise one record to ``[{role, content}]`` ending with at least one assistant reply.
-
-    Leading assistant turns (ShareGPT has conversations that start mid-way) are dropped: the template
-    would otherwise render a reply without its question.
-    """
+def _normalised(record) -> list[dict]:
+    """Every turn of ``record`` as ``{role, content}`` with a known role and text (possibly empty)."""
     turns, role_key, text_key = _turns(record)
     messages = []
     for turn in turns:
@@ -180,14 +176,53 @@ def to_messages(record) -> list[dict]:
         text = turn[text_key]
         if not isinstance(text, str):
             raise MalformedRecord("non-text message")
-        if not text.strip():
-            raise MalformedRecord("empty message")
         messages.append({"role": role, "content": text})
+    return messages
+
+
+def _check_not_empty(messages: list[dict]) -> None:
+    if any(not m["content"].strip() for m in messages):
+        raise MalformedRecord("empty message")
+
+
+def to_messages(record) -> list[dict]:
+    """Normalise one record to ``[{role, content}]`` ending with at least one assistant reply.
+
+    Leading assistant turns (ShareGPT has conversations that start mid-way) are dropped: the template
+    would otherwise render a reply without its question.
+    """
+    messages = _normalised(record)
+    _check_not_empty(messages)
     while messages and messages[0]["role"] == "assistant":
         messages.pop(0)
     if not any(m["role"] == "assistant" for m in messages):
         raise MalformedRecord("no assistant reply")
     return messages
+
+
+def user_prompts(record, max_turns: int | None = None) -> list[dict]:
+    """The part of a record a model answers itself: the system messages before the first user turn, then
+    the first ``max_turns`` user turns (all of them by default), without the source's replies.
+
+    System messages later in the conversation are left out (chat templates rarely accept them there). Empty
+    replies of the source do not matter here; an empty kept message does.
+    """
+    messages = _normalised(record)
+    users = [m for m in messages if m["role"] == "user"]
+    if not users:
+        raise MalformedRecord("no user turn")
+    first_user = messages.index(users[0])
+    kept = [m for m in messages[:first_user] if m["role"] == "system"] + users[:max_turns]
+    _check_not_empty(kept)
+    return kept
+
+
+def user_texts(record) -> list[str]:
+    """The text of every user turn of a record (none for a record that cannot be read)."""
+    try:
+        return [m["content"] for m in _normalised(record) if m["role"] == "user"]
+    except MalformedRecord:
+        return []
 
 
 def record_id(record, index: int) -> str:

@@ -1,5 +1,7 @@
 """What a ppd training dataset records about itself: the model it was tokenised for, N, k, length, seed, source.
 
+Fields added after the first datasets were written have defaults, so older datasets still load.
+
 The record travels inside the ``datasets`` dataset (``DatasetInfo.description``, as JSON), so that
 ``save_to_disk`` / ``load_from_disk`` keep it and a trainer can refuse a dataset made for another model.
 """
@@ -16,6 +18,7 @@ FORMAT_VERSION = 1
 class DatasetType(str, Enum):
     FINETUNE = "finetune"  # truncated conversations: input_ids + labels
     DISTILLATION = "distillation"  # plus the teacher's greedy tokens and top-k log-probabilities
+    CONVERSATIONS = "conversations"  # self-distilled: the model's own replies to the source's user turns
 
 
 @dataclass
@@ -30,6 +33,10 @@ class PPDDatasetInfo:
     cuts_per_conversation: int = 1
     top_k: int | None = None  # distillation only
     teacher_dtype: str | None = None  # distillation only, e.g. "float32" or "nf4"
+    teacher: str | None = None  # distillation only: "greedy" | "forced" (None: made before forced existed, greedy)
+    generation: dict = field(default_factory=dict)  # conversations only: decoding method, sampling, limits, dtype
+    # Evaluation sets whose prompts records were checked for and dropped (None: not checked).
+    eval_prompts_excluded: list[str] | None = None
     summary: dict = field(default_factory=dict)  # counts, skipped records by reason, timings
     format_version: int = FORMAT_VERSION
 

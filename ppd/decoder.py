@@ -25,6 +25,7 @@ from .decoding.step import LanguageModel, StepKind
 from .decoding.tables import TreeTables
 from .prompt_tokens import PromptTokens
 from .tree import TreeSet
+from .tree_builder import default_tree_set
 
 __all__ = ["Decoder", "GenerationOutput", "PromptTooLongError", "StepOutput", "eos_ids_of"]
 
@@ -112,7 +113,8 @@ class Decoder:
         if prompt_tokens is not None:
             prompt_tokens.check_compatible(model)
             prompt_tokens.to(self.device)
-            trees = trees if trees is not None else TreeSet.packaged()
+            trees = trees if trees is not None else default_tree_set(prompt_tokens.num_prompt_tokens,
+                                                                     prompt_tokens.num_ensemble)
             if trees.num_prompt_tokens != prompt_tokens.num_prompt_tokens:
                 raise ValueError(
                     f"the tree set is built for N={trees.num_prompt_tokens} prompt tokens, "

@@ -172,3 +172,16 @@ def expected_tokens_per_step(tree: Tree, source: PathSource) -> float:
     for path in tree.paths:
         total += model.prob(path)
     return total
+
+
+def default_tree_set(num_prompt_tokens: int, num_ensemble: int = 1) -> TreeSet:
+    """The tree set a decoder uses when neither the caller nor the adapter names one: the packaged default
+    where it is built for ``num_prompt_tokens``, else one built the same way (its accuracy table, the last row
+    repeated for deeper prompt tokens, and its row budget) for this many prompt tokens."""
+    packaged = TreeSet.packaged()
+    if packaged.num_prompt_tokens == num_prompt_tokens:
+        return packaged
+    accuracy = packaged.metadata["accuracy"]
+    rows = [accuracy[min(i, len(accuracy) - 1)] for i in range(num_prompt_tokens)]
+    return build_tree_set(rows, int(packaged.metadata["budget"]), num_ensemble,
+                          metadata={"source": f"the packaged default's accuracies, for N={num_prompt_tokens}"})
