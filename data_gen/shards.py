@@ -24,6 +24,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from ppd.files import atomic_write_text
+
 SUMMARY_FILE = "ppd_shard_summary.json"
 SETTINGS_FILE = "run.json"
 # What `save_to_disk` writes, plus the cache files `datasets` adds beside them when the dataset is mapped later
@@ -128,7 +130,7 @@ class ShardStore:
                 raise SettingsMismatch(f"{self.root} holds shards of a run with other settings ({details}); "
                                        "start again with --overwrite, or restore the original settings")
         else:
-            _write_text_atomic(settings_path, json.dumps(self.settings, indent=1, sort_keys=True))
+            atomic_write_text(settings_path, json.dumps(self.settings, indent=1, sort_keys=True))
         return sum(self.is_done(i) for i in range(self.num_shards))
 
     def item_range(self, index: int) -> range:
@@ -185,7 +187,4 @@ def save_dataset_atomic(dataset, output_path: str | os.PathLike) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+

@@ -5,6 +5,8 @@ Usage:
         --output_dir results/trees
     python -m eval.pick_tree --trees results/trees/tree_*.json --context 300 [--capture auto] [--dtype ...] \\
         --output results/trees/pick_cpu.json [--install]
+    python -m eval.pick_tree --trees results/trees/tree_*.json --batch_sizes 1 2 4 8 16 32 64 128 \\
+        --dtype bfloat16 --output results/serving/policy_pick.json [--install]
 
 Each tree set's expected tokens per step comes from the accuracies it was built from (its metadata); its
 time is the decoder's whole step as the engine runs it on this device, in this dtype and capture mode
@@ -26,6 +28,7 @@ from pathlib import Path
 import torch
 
 from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_decoder_or_exit
+from ppd.policy import BatchPolicy
 from ppd.prompt_tokens import packaged_adapter
 from ppd.tree import TreeSet
 from ppd.tree_builder import expected_tokens_per_step
@@ -45,22 +48,53 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--captures", nargs="+", default=None, metavar="MODE",
                         help="time every tree under each of these capture modes and pick the best pair "
                              "(default: --capture alone)")
-    parser.add_argument("--install", action="store_true", help="copy the best tree into the adapter directory")
+    parser.add_argument("--batch_sizes", nargs="+", type=int, default=None, metavar="B",
+                        help="make a batch policy: time every tree at each of these batch sizes (powers of two)")
+    parser.add_argument("--install", action="store_true",
+                        help="copy the best tree (or, with --batch_sizes, the policy) into the adapter directory")
     parser.add_argument("--output", default=None)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if args.batch_sizes is not None:
+        bad = [b for b in args.batch_sizes if b < 1 or b & (b - 1)]
+        if bad:
+            parser.error(f"--batch_sizes must be powers of two (the decoder's buckets), got {bad}")
+        if args.captures:
+            parser.error("--batch_sizes times one capture mode (--capture), not --captures")
+        if args.max_seq_len is None:  # each tree's caches at every batch size: keep them to what the timing needs
+            args.max_seq_len = args.context + 8 * args.steps + 512
     loaded = load_decoder_or_exit(args)
-    decoder = loaded.decoder
-    device = decoder.device
     sets = {name: TreeSet.load(name) for name in args.trees}
     missing = [name for name, trees in sets.items() if not trees.metadata.get("accuracy")]
     if missing:
         print(f"error: {', '.join(missing)} record no accuracy table in their metadata (make them with "
               "eval.build_trees)", file=sys.stderr)
         return 2
+    if args.batch_sizes is not None:
+        return pick_policy(args, loaded, sets)
+    return pick_one(args, loaded, sets)
+
+
+def expected_tokens(trees: TreeSet) -> float:
+    """Expected tokens per step of a tree set, from the accuracies it was built from (its deepest tree)."""
+    return expected_tokens_per_step(trees.trees[trees.num_prompt_tokens], trees.metadata["accuracy"])
+
+
+def dtype_name(decoder) -> str:
+    return str(decoder.dtype).removeprefix("torch.")
+
+
+def target_dir(args, loaded) -> Path:
+    return Path(args.adapter) if args.adapter else packaged_adapter(loaded.info.model_id)
+
+
+def pick_one(args, loaded, sets: dict[str, TreeSet]) -> int:
+    decoder = loaded.decoder
+    device = decoder.device
     modes = args.captures or [args.capture]
     decoders = {name: decoder.with_trees(trees) for name, trees in sets.items()}
     rows = []
@@ -72,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                          "tokens_per_s": 1e3 / one_row["step_ms"]})
             for name, trees in sets.items():
                 timed = step_time(decoders[name], "ppd", args.context, args.steps, mode)
-                expected = expected_tokens_per_step(trees.trees[trees.num_prompt_tokens], trees.metadata["accuracy"])
+                expected = expected_tokens(trees)
                 latency = timed["step_ms"] / 1e3
                 rows.append({"tree": name, "capture": mode, "rows": timed["rows"], "expected_tokens": expected,
                              "latency_s": latency, "capture_s": timed["capture_s"], "tokens_per_s": expected / latency})
@@ -93,15 +127,72 @@ def main(argv: list[str] | None = None) -> int:
               "decode with --method baseline")
     if args.install:
         # The best tree is what PPD uses on this device type, even where the baseline is faster.
-        target_dir = Path(args.adapter) if args.adapter else packaged_adapter(loaded.info.model_id)
-        target = target_dir / f"tree_{device.type}_{str(decoder.dtype).removeprefix('torch.')}.json"
+        target = target_dir(args, loaded) / f"tree_{device.type}_{dtype_name(decoder)}.json"
         shutil.copyfile(best_tree["tree"], target)
         print(f"installed {best_tree['tree']} as {target}")
     if args.output:
         write_json(args.output, {"context": args.context, "adapter": loaded.adapter, "rows": rows,
-                                 "dtype": str(decoder.dtype).removeprefix("torch."), "picked": best["tree"],
+                                 "dtype": dtype_name(decoder), "picked": best["tree"],
                                  "best_tree": best_tree["tree"], "best_tree_capture": best_tree["capture"],
                                  "baseline_capture": best_baseline["capture"], **environment(device)})
+    return 0
+
+
+def pick_policy(args, loaded, sets: dict[str, TreeSet]) -> int:
+    """Time every tree and the one-row step at every batch size; keep the best per bucket."""
+    decoder = loaded.decoder
+    device = decoder.device
+    batch_sizes = sorted(set(args.batch_sizes))
+    rows = []
+
+    def measure(name: str, dec, method: str, expected: float) -> None:
+        for batch in batch_sizes:
+            timed = step_time(dec, method, args.context, args.steps, args.capture, batch_size=batch)
+            latency = timed["step_ms"] / 1e3
+            rows.append({"tree": name, "batch_size": batch, "rows": timed["rows"], "expected_tokens": expected,
+                         "latency_s": latency, "capture_s": timed["capture_s"],
+                         "tokens_per_s": batch * expected / latency})
+            print(f"batch {batch:4d} | {name} | {timed['rows']} rows | {timed['step_ms']:.2f} ms", file=sys.stderr)
+
+    with torch.no_grad():
+        measure("baseline (1 row)", decoder, "baseline", 1.0)
+        for name, trees in sets.items():
+            tree_decoder = decoder.with_trees(trees)
+            measure(name, tree_decoder, "ppd", expected_tokens(trees))
+            del tree_decoder  # its caches and graphs go before the next tree's are made
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    picks = []
+    for batch in batch_sizes:
+        here = [r for r in rows if r["batch_size"] == batch]
+        best = max(here, key=lambda r: r["tokens_per_s"])
+        baseline = next(r for r in here if r["rows"] == 1 and r["tree"].startswith("baseline"))
+        picks.append({"batch_size": batch, "tree": None if best is baseline else best["tree"],
+                      "tokens_per_s": best["tokens_per_s"], "baseline_tokens_per_s": baseline["tokens_per_s"],
+                      "expected_speedup": best["tokens_per_s"] / baseline["tokens_per_s"]})
+    print(f"step times: {decoder.dtype}, {args.context} tokens of context, capture {args.capture}")
+    print("| batch | tree | rows | expected tokens / step | step ms | expected tokens / s |")
+    print("|---|---|---|---|---|---|")
+    chosen = {(p["batch_size"], p["tree"]) for p in picks}
+    for r in rows:
+        tree = None if r["tree"].startswith("baseline") else r["tree"]
+        mark = " **picked**" if (r["batch_size"], tree) in chosen else ""
+        print(f"| {r['batch_size']} | {r['tree']}{mark} | {r['rows']} | {r['expected_tokens']:.2f} | "
+              f"{r['latency_s'] * 1e3:.2f} | {r['tokens_per_s']:.0f} |")
+    policy = BatchPolicy(tuple(p["batch_size"] for p in picks),
+                         tuple(None if p["tree"] is None else sets[p["tree"]] for p in picks),
+                         {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                          "dtype": dtype_name(decoder), "capture": args.capture, "context": args.context,
+                          "picks": picks})
+    print(f"batch policy: {policy.describe()}")
+    if args.install:
+        target = target_dir(args, loaded) / f"policy_{device.type}_{dtype_name(decoder)}.json"
+        policy.save(target)
+        print(f"installed the batch policy as {target}")
+    if args.output:
+        write_json(args.output, {"context": args.context, "adapter": loaded.adapter, "rows": rows, "picks": picks,
+                                 "dtype": dtype_name(decoder), "capture": args.capture, "policy": policy.to_json(),
+                                 **environment(device)})
     return 0
 
 

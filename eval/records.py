@@ -3,12 +3,12 @@ it, and an atomic JSON write."""
 
 from __future__ import annotations
 
-import json
 import os
 import platform
-from pathlib import Path
 
 import torch
+
+from ppd.files import atomic_write_json
 
 
 def environment(device: torch.device) -> dict:
@@ -31,8 +31,4 @@ def recorded(record: dict, field: str):
 
 def write_json(path: str | os.PathLike, record: dict) -> None:
     """Write ``record`` to ``path`` (parents created) through a temporary file, so a reader never sees half."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    os.replace(tmp, path)
+    atomic_write_json(path, record)

@@ -39,16 +39,18 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def step_time(decoder: Decoder, method: str, context: int, steps: int, capture: str = "auto") -> dict:
-    """Seconds per step of ``method`` after ``context`` tokens, and seconds spent capturing (untimed)."""
+def step_time(decoder: Decoder, method: str, context: int, steps: int, capture: str = "auto",
+              batch_size: int = 1) -> dict:
+    """Seconds per step of ``method`` after ``context`` tokens for a batch of ``batch_size`` rows, and
+    seconds spent capturing (untimed)."""
     vocab = decoder.model.config.vocab_size
     prompt = [(31 * i + 7) % vocab for i in range(context)]
 
     def run(n: int):
         config = DecodeConfig(method=method, max_new_tokens=n, stop_on_eos=False, capture=capture)
         start = time.perf_counter()
-        out = decoder.generate(prompt, config)
-        return time.perf_counter() - start, out.steps
+        out = decoder.generate([prompt] * batch_size, config)
+        return time.perf_counter() - start, max(o.steps for o in out)
 
     captured = decoder.captures[:]
     start = time.perf_counter()
@@ -58,7 +60,7 @@ def step_time(decoder: Decoder, method: str, context: int, steps: int, capture: 
     long_s, long_steps = run(steps * 2)
     per_step = (long_s - short_s) / max(long_steps - short_steps, 1)
     new = [c for c in decoder.captures if c not in captured]
-    return {"method": method, "rows": decoder.tables.num_rows if method == "ppd" else 1,
+    return {"method": method, "rows": decoder.tables.num_rows if method == "ppd" else 1, "batch_size": batch_size,
             "step_ms": 1e3 * per_step, "warmup_s": warmup, "captures": len(new),
             "capture_s": sum(c.seconds for c in new)}
 

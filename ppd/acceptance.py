@@ -43,6 +43,8 @@ def filter_top_p(probs: torch.Tensor, top_p: torch.Tensor | float) -> torch.Tens
     """Zero the tail outside the smallest set of tokens whose mass reaches ``top_p``; renormalise."""
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly before each token
+    if isinstance(top_p, torch.Tensor):
+        top_p = top_p.reshape(-1, 1)  # one value, or one per row
     sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
     kept = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return kept / kept.sum(-1, keepdim=True)
@@ -51,8 +53,9 @@ def filter_top_p(probs: torch.Tensor, top_p: torch.Tensor | float) -> torch.Tens
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor | None,
                   seed: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
     """One token per row of ``logits`` [B, vocab] from softmax(logits / temperature), top-p filtered when
-    ``top_p`` is given, by the Gumbel-max rule with numbers from :func:`uniform`."""
-    scaled = logits.float() / temperature
+    ``top_p`` is given, by the Gumbel-max rule with numbers from :func:`uniform`. ``temperature`` and
+    ``top_p`` hold one value or one per row."""
+    scaled = logits.float() / temperature.reshape(-1, 1)
     if top_p is not None:
         probs = filter_top_p(torch.softmax(scaled, dim=-1), top_p)
         scaled = torch.log(probs)  # -inf outside the nucleus
@@ -67,14 +70,16 @@ def accept_candidates(node_logits: torch.Tensor, node_tokens: torch.Tensor, pare
     """Which candidates pass verification against their parent: bool [B, C].
 
     ``node_logits`` [B, 1 + C, vocab] are the logits of the root and candidate rows, ``node_tokens``
-    [B, 1 + C] their tokens, ``parent_row`` [B, C] the row of each candidate's parent.
+    [B, 1 + C] their tokens, ``parent_row`` [B, C] the row of each candidate's parent. The sampling
+    settings hold one value or one per row.
     """
     candidates = node_tokens[:, 1:]
     if greedy:
         return candidates == node_logits.argmax(-1).gather(1, parent_row)
-    probs = torch.softmax(node_logits.float() / temperature, dim=-1)
+    probs = torch.softmax(node_logits.float() / temperature.reshape(-1, 1, 1), dim=-1)
     entropy = -(probs * torch.log(probs.clamp_min(1e-10))).sum(-1)  # [B, 1 + C]
-    threshold = torch.minimum(posterior_threshold.expand_as(entropy), posterior_alpha * torch.exp(-entropy))
+    threshold = torch.minimum(posterior_threshold.reshape(-1, 1).expand_as(entropy),
+                              posterior_alpha.reshape(-1, 1) * torch.exp(-entropy))
     parent_probs = probs.gather(1, parent_row[..., None].expand(-1, -1, probs.shape[-1]))  # [B, C, vocab]
     candidate_prob = parent_probs.gather(-1, candidates[..., None])[..., 0]
     return candidate_prob > threshold.gather(1, parent_row)

@@ -15,6 +15,7 @@ from pathlib import Path
 from .config import CaptureMode, DecodeConfig, PromptTokenConfig
 from .decoder import Decoder, eos_ids_of
 from .models import DEFAULT_MODEL, ModelInfo, load_model
+from .policy import BatchPolicy
 from .prompt_tokens import PromptTokens, packaged_adapter
 from .tree import TreeSet
 
@@ -37,8 +38,9 @@ def add_adapter_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--adapter", default=None,
                        help="adapter directory with the prompt tokens (default: the one shipped for the model, "
                             "else freshly initialised prompt tokens)")
-    group.add_argument("--tree", default=None, help="tree set JSON (default: the adapter's tree for this device "
-                                                      "type if it ships one, else the packaged default.json)")
+    group.add_argument("--tree", default=None, help="tree set JSON, used at every batch size (default: the adapter's "
+                                                      "batch policy or tree for this device type and dtype if it ships "
+                                                      "one, else the packaged default.json)")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -77,7 +79,7 @@ class Loaded:
     info: ModelInfo
     decoder: Decoder
     adapter: str  # where the prompt tokens came from, for logs and reports
-    tree: str = "none"  # where the tree set came from
+    tree: str = "none"  # where the tree set (or batch policy) came from
 
 
 def default_prompt_tokens(model, tokenizer, info: ModelInfo) -> tuple[PromptTokens, str, Path | None]:
@@ -103,7 +105,7 @@ def load_decoder(args: argparse.Namespace, with_prompt_tokens: bool = True) -> L
         args.model, device=args.device, dtype=args.dtype,
         load_in_4bit=getattr(args, "load_in_4bit", False), load_in_8bit=getattr(args, "load_in_8bit", False),
     )
-    prompt_tokens, source, adapter_dir, trees, tree_source = None, "none", None, None, "none"
+    prompt_tokens, source, adapter_dir, trees, tree_source, policy = None, "none", None, None, "none", None
     if with_prompt_tokens:
         if given_tokens is not None:
             given_tokens.check_compatible(model)
@@ -114,12 +116,14 @@ def load_decoder(args: argparse.Namespace, with_prompt_tokens: bool = True) -> L
         device_type, dtype = weight.device.type, str(weight.dtype).removeprefix("torch.")
         if given_trees is not None:
             trees, tree_source = given_trees, str(tree)
+        elif adapter_dir is not None and (path := BatchPolicy.adapter_file(adapter_dir, device_type, dtype)):
+            policy, tree_source = BatchPolicy.load(path), f"{source}:{path.name}"
         elif adapter_dir is not None and (path := TreeSet.adapter_file(adapter_dir, device_type, dtype)) is not None:
             trees, tree_source = TreeSet.load(path), f"{source}:{path.name}"
         else:
             tree_source = "packaged:default.json"
     decoder = Decoder(model, prompt_tokens, trees, eos_token_ids=eos_ids_of(model, tokenizer),
-                      max_seq_len=getattr(args, "max_seq_len", None))
+                      max_seq_len=getattr(args, "max_seq_len", None), policy=policy)
     return Loaded(model, tokenizer, info, decoder, source, tree_source)
 
 

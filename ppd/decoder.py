@@ -23,6 +23,7 @@ from .decoding.loop import PromptTooLongError, batch_bucket, capture_widths, dec
 from .decoding.state import DecodeState, StatePool
 from .decoding.step import LanguageModel, StepKind
 from .decoding.tables import TreeTables
+from .policy import BatchPolicy
 from .prompt_tokens import PromptTokens
 from .tree import TreeSet
 from .tree_builder import default_tree_set
@@ -92,7 +93,9 @@ class Decoder:
 
     ``prompt_tokens`` may be ``None`` for a decoder that only runs the baseline. ``max_seq_len`` caps the
     cache (prompt plus new tokens) below the model's context window (default: the window, at most
-    8192 tokens); every batch bucket's cache holds that many tokens per row.
+    8192 tokens); every batch bucket's cache holds that many tokens per row. With a ``policy``, PPD
+    verifies a batch with the tree set the policy names for its bucket, or runs the one-row step where
+    it names none (``trees`` defaults to the policy's tree for batch 1).
     """
 
     def __init__(
@@ -102,6 +105,7 @@ class Decoder:
         trees: TreeSet | None = None,
         eos_token_ids: Iterable[int] = (),
         max_seq_len: int | None = None,
+        policy: BatchPolicy | None = None,
     ):
         self.model = model
         self.lm = LanguageModel.of(model)
@@ -110,33 +114,56 @@ class Decoder:
         if len(self.eos_token_ids) > MAX_EOS_IDS:
             raise ValueError(f"at most {MAX_EOS_IDS} EOS ids are supported, got {len(self.eos_token_ids)}")
         self.tables: TreeTables | None = None
+        self.policy = policy if prompt_tokens is not None else None
+        self._bucket_tables: list[tuple[int, TreeTables | None]] = []
+        self._all_tables: list[TreeTables] = []
         if prompt_tokens is not None:
             prompt_tokens.check_compatible(model)
             prompt_tokens.to(self.device)
-            trees = trees if trees is not None else default_tree_set(prompt_tokens.num_prompt_tokens,
-                                                                     prompt_tokens.num_ensemble)
-            if trees.num_prompt_tokens != prompt_tokens.num_prompt_tokens:
-                raise ValueError(
-                    f"the tree set is built for N={trees.num_prompt_tokens} prompt tokens, "
-                    f"the adapter has N={prompt_tokens.num_prompt_tokens}"
-                )
+            n, v = prompt_tokens.num_prompt_tokens, prompt_tokens.num_ensemble
+            if trees is None and policy is not None:
+                trees = policy.for_batch(1)
+            trees = trees if trees is not None else default_tree_set(n, v)
+            sets = [trees] + (policy.tree_sets if policy is not None else [])
             vocab = self.model.get_output_embeddings().weight.shape[0]
-            if trees.top_k > vocab:
-                raise ValueError(f"the tree set guesses from the top-{trees.top_k} tokens, more than the model's "
-                                 f"vocabulary of {vocab}")
-            self.tables = TreeTables.build(trees, prompt_tokens.num_ensemble, prompt_tokens.config.attention_type,
-                                           self.device)
+            for tree_set in sets:
+                if tree_set.num_prompt_tokens != n:
+                    raise ValueError(f"the tree set is built for N={tree_set.num_prompt_tokens} prompt tokens, "
+                                     f"the adapter has N={n}")
+                if tree_set.top_k > vocab:
+                    raise ValueError(f"the tree set guesses from the top-{tree_set.top_k} tokens, more than the "
+                                     f"model's vocabulary of {vocab}")
+            # One state serves every tree set of the decoder: they keep the same number of guesses.
+            top_k = max(t.top_k for t in sets)
+            attention = prompt_tokens.config.attention_type
+            built: dict[int, TreeTables] = {}
+
+            def tables_of(tree_set: TreeSet) -> TreeTables:
+                if id(tree_set) not in built:
+                    built[id(tree_set)] = TreeTables.build(tree_set, v, attention, self.device, top_k=top_k)
+                return built[id(tree_set)]
+
+            self.tables = tables_of(trees)
+            if policy is not None:
+                self._bucket_tables = [(bucket, None if t is None else tables_of(t))
+                                       for bucket, t in zip(policy.buckets, policy.trees)]
+            self._all_tables = list(built.values())
         self.trees = trees
         if max_seq_len is not None and max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
         self.capacity = min(self.max_positions, max_seq_len or DEFAULT_MAX_SEQ_LEN)
         self.capacity_reason = ("the model's context window" if self.capacity == self.max_positions
                                 else "the decoder's max_seq_len")
-        self._prompt_embeds: torch.Tensor | None = None
+        self._prompt_embeds: dict[int, torch.Tensor] = {}
         self._runners: dict[CaptureMode, StepRunner] = {}
         self.states = StatePool(self._new_state)
 
     # ------------------------------------------------------------------ properties and set-up
+    @property
+    def guess_k(self) -> int:
+        """Guesses kept per prompt token: the largest top-k of the decoder's tree sets."""
+        return self.tables.top_k
+
     @property
     def device(self) -> torch.device:
         return self.model.get_input_embeddings().weight.device
@@ -155,25 +182,40 @@ class Decoder:
             raise PromptTooLongError(f"the prompt has {num_tokens} tokens but {self.capacity_reason} is "
                                      f"{self.capacity}: no room for a single new token")
 
+    def tables_for(self, batch_size: int) -> TreeTables | None:
+        """The tree tables PPD verifies a batch of ``batch_size`` rows with (``None``: the one-row step)."""
+        if self.tables is None or not self._bucket_tables:
+            return self.tables
+        for bucket, tables in self._bucket_tables:
+            if batch_size <= bucket:
+                return tables
+        return self._bucket_tables[-1][1]
+
     def _new_state(self, batch_size: int) -> DecodeState:
         t = self.tables
         n_prompt = t.num_prompt_tokens if t else 0
-        rows = max(t.num_rows if t else 1, n_prompt * (t.num_ensemble if t else 1) + 1)
+        widest = max((x.num_rows for x in self._all_tables), default=1) if t else 1
+        rows = max(widest, n_prompt * (t.num_ensemble if t else 1) + 1)
         # Room past the longest committed prefix for one step's rows (or the prefill's prompt rows).
         # A step emits at most N + 1 tokens (a path is at most N deep), whatever the tree set.
         return DecodeState(self.model.config.num_hidden_layers, batch_size, self.capacity + rows, n_prompt,
                            t.top_k if t else 0, n_prompt + 1, MAX_EOS_IDS, self.device)
 
     def with_trees(self, trees: TreeSet) -> "Decoder":
-        """A decoder of the same model, prompt tokens, EOS ids and cache size over another tree set."""
+        """A decoder of the same model, prompt tokens, EOS ids and cache size over another tree set (at every
+        batch size: without a batch policy)."""
         return Decoder(self.model, self.prompt_tokens, trees, self.eos_token_ids, max_seq_len=self.capacity)
 
-    def prompt_embeds(self) -> torch.Tensor:
-        """Each tree's prompt-token rows [N + 1, prompt rows, hidden] in the model's dtype, made once."""
-        if self._prompt_embeds is None or self._prompt_embeds.dtype != self.dtype:
+    def prompt_embeds(self, tables: TreeTables | None = None) -> torch.Tensor:
+        """Each tree's prompt-token rows [N + 1, prompt rows, hidden] in the model's dtype, made once per
+        tree set (``tables``, default the decoder's own)."""
+        tables = tables or self.tables
+        found = self._prompt_embeds.get(id(tables))
+        if found is None or found.dtype != self.dtype:
             with torch.no_grad():
-                self._prompt_embeds = self.prompt_tokens(self.tables.prompt_index).detach().to(self.dtype)
-        return self._prompt_embeds
+                found = self.prompt_tokens(tables.prompt_index).detach().to(self.dtype)
+            self._prompt_embeds[id(tables)] = found
+        return found
 
     def runner(self, mode: CaptureMode) -> StepRunner:
         if mode not in self._runners:
@@ -198,20 +240,24 @@ class Decoder:
             return 0.0
         start = time.perf_counter()
         runner = self.runner(mode)
-        kinds = ([True] if "ppd" in methods and self.tables is not None else []) + (
-            [False] if "baseline" in methods else [])
-        method = "ppd" if True in kinds else "baseline"
+        use_ppd = "ppd" in methods and self.tables is not None
+        method = "ppd" if use_ppd else "baseline"
         for size in batch_sizes:
+            bucket = batch_bucket(size, exact=mode is CaptureMode.COMPILE)
+            tables = self.tables_for(bucket) if use_ppd else None
+            # PPD runs the one-row step where the batch policy names no tree.
+            kinds = ([True] if tables is not None else []) + (
+                [False] if "baseline" in methods or (use_ppd and tables is None) else [])
             # A one-token request allocates the bucket's cache; the state it used is the one leased next.
             for _ in decode(self, [[0]] * size, DecodeConfig(method=method, max_new_tokens=1, capture=mode)):
                 pass
-            state = self.states.acquire(batch_bucket(size, exact=mode is CaptureMode.COMPILE))
+            state = self.states.acquire(bucket)
             try:
                 for tree in kinds:
-                    rows = self.tables.num_rows if tree else 1
+                    rows = tables.num_rows if tree else 1
                     widths = capture_widths(rows, min(max_width or state.capacity, state.capacity))
                     with torch.no_grad():
-                        runner.prepare(self.tables if tree else None, self.prompt_embeds() if tree else None,
+                        runner.prepare(tables if tree else None, self.prompt_embeds(tables) if tree else None,
                                        state, StepKind(tree=tree, greedy=greedy, top_p=False), widths)
             finally:
                 self.states.release(state)

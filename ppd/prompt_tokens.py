@@ -10,8 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -19,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .config import ADAPTER_FORMAT_VERSION, PromptTokenConfig
+from .files import atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -89,9 +88,9 @@ class PromptTokens(nn.Module):
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         config = json.dumps(self.config.to_dict(), indent=2, sort_keys=True) + "\n"
-        _atomic_write(directory / CONFIG_NAME, lambda p: Path(p).write_text(config))
+        atomic_write(directory / CONFIG_NAME, lambda p: Path(p).write_text(config))
         tensor = {TENSOR_NAME: self.embeddings.detach().float().cpu().contiguous()}
-        _atomic_write(directory / WEIGHTS_NAME, lambda p: save_file(tensor, p, metadata={"format": "pt"}))
+        atomic_write(directory / WEIGHTS_NAME, lambda p: save_file(tensor, p, metadata={"format": "pt"}))
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, model=None) -> "PromptTokens":
@@ -167,14 +166,3 @@ def _fill_from_model(config: PromptTokenConfig, model) -> PromptTokenConfig:
     hidden, vocab = _model_sizes(model)
     base = config.base_model or getattr(model.config, "_name_or_path", "")
     return dataclasses.replace(config, hidden_size=hidden, vocab_size=vocab, base_model=base)
-
-
-def _atomic_write(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

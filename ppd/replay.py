@@ -22,7 +22,6 @@ are replayed as if they were this dtype's greedy text.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .files import atomic_write_json, check_format_version, load_json_file
 from .tree import TreeSet
 from .tree_builder import CHAIN_WIDTH
 from .training import PromptTokenModel
@@ -232,10 +232,7 @@ class PathStats:
 
     @classmethod
     def from_json(cls, data: dict) -> "PathStats":
-        version = data.get("format_version", PATH_STATS_FORMAT_VERSION)
-        if version > PATH_STATS_FORMAT_VERSION:
-            raise ValueError(f"path stats format {version} is newer than this ppd understands "
-                             f"({PATH_STATS_FORMAT_VERSION})")
+        check_format_version(data, PATH_STATS_FORMAT_VERSION, "path stats")
         stats = cls(int(data["num_prompt_tokens"]), int(data["top_k"]), int(data["positions"]),
                     Counter({tuple(int(r) for r in e["path"]): int(e["count"]) for e in data["paths"]}),
                     dict(data.get("metadata", {})))
@@ -248,17 +245,9 @@ class PathStats:
         return stats
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json(), indent=1, sort_keys=True) + "\n")
+        atomic_write_json(path, self.to_json(), sort_keys=True)
 
     @classmethod
     def load(cls, path: str | Path) -> "PathStats":
-        path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path} is not valid JSON: {err}") from err
-        try:
-            return cls.from_json(data)
-        except (KeyError, TypeError, AttributeError) as err:
-            raise ValueError(f"{path} is not a ppd path_stats file (from `python -m eval.replay --paths_output`): "
-                             f"missing or malformed {err}") from err
+        return load_json_file(path, cls.from_json,
+                              "a ppd path_stats file (from `python -m eval.replay --paths_output`)")

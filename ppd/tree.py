@@ -24,6 +24,7 @@ import torch
 
 from .attention import prompt_block_mask
 from .config import AttentionType
+from .files import atomic_write_json, check_format_version, load_json_file
 
 TREE_FORMAT_VERSION = 1
 DEFAULT_TREE_FILE = "default.json"
@@ -115,9 +116,7 @@ class TreeSet:
 
     @classmethod
     def from_json(cls, data: dict) -> "TreeSet":
-        version = data.get("format_version", TREE_FORMAT_VERSION)
-        if version > TREE_FORMAT_VERSION:
-            raise ValueError(f"tree file format {version} is newer than this ppd understands ({TREE_FORMAT_VERSION})")
+        check_format_version(data, TREE_FORMAT_VERSION, "tree file")
         return cls(
             num_prompt_tokens=int(data["num_prompt_tokens"]),
             top_k=int(data["top_k"]),
@@ -126,22 +125,11 @@ class TreeSet:
         )
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json(), indent=1, sort_keys=True) + "\n")
+        atomic_write_json(path, self.to_json(), sort_keys=True)
 
     @classmethod
     def load(cls, path: str | Path) -> "TreeSet":
-        path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path} is not valid JSON: {err}") from err
-        if not isinstance(data, dict):
-            raise ValueError(f"{path} is not a ppd tree file: it holds a JSON {type(data).__name__}, not an object "
-                             "with num_prompt_tokens, top_k and trees")
-        try:
-            return cls.from_json(data)
-        except (KeyError, TypeError, AttributeError) as err:
-            raise ValueError(f"{path} is not a ppd tree file: missing or malformed {err}") from err
+        return load_json_file(path, cls.from_json, "a ppd tree file (num_prompt_tokens, top_k and trees)")
 
     @staticmethod
     def adapter_file(adapter_dir: str | Path, device_type: str, dtype: str | None = None) -> Path | None:

@@ -42,6 +42,7 @@ import torch
 
 from ppd.config import AttentionType, PromptTokenConfig
 from ppd.dataset_info import DatasetType, PPDDatasetInfo
+from ppd.files import atomic_write_json
 from ppd.models import DEFAULT_MODEL, load_model, resolve_model
 from ppd.prompt_tokens import PromptTokens
 from ppd.training import Objective, PackedCuts, PromptTokenCollator, PromptTokenModel, heldout_split
@@ -327,9 +328,7 @@ def main(argv: list[str] | None = None) -> int:
             "hardware": torch.cuda.get_device_name(training_args.device) if training_args.device.type == "cuda"
             else "cpu", "torch": torch.__version__,
         }
-        tmp = output / ".training_log.json.tmp"
-        tmp.write_text(json.dumps(log, indent=1, default=str) + "\n")
-        os.replace(tmp, output / "training_log.json")
+        atomic_write_json(output / "training_log.json", log, default=str)
         summary = ", ".join(f"{k.removeprefix('eval_')} {v:.3f}" for k, v in final.items()
                             if k.startswith("eval_top") or k == "eval_loss")
         print(f"trained {result.global_step} steps ({cuts_trained} examples, {cuts_trained / max(train_seconds, 1e-9):.1f}/s) in "

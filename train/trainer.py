@@ -23,6 +23,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from ppd.prompt_tokens import PromptTokens, count_non_finite
+from ppd.files import atomic_write_json
 from ppd.training import accuracy_targets, rank_accuracy
 
 logger = logging.getLogger("train")
@@ -146,7 +147,5 @@ class _GuardAndRecord(TrainerCallback):
             if loss_sum is not None:
                 record = {"global_step": state.global_step, "initial_eval": self.trainer.initial_eval,
                           "loss_sum": loss_sum}
-                tmp = folder / f".{RECORD_FILE}.tmp"
-                tmp.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
-                os.replace(tmp, folder / RECORD_FILE)
+                atomic_write_json(folder / RECORD_FILE, record, sort_keys=True)
         return control

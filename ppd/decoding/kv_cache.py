@@ -52,6 +52,10 @@ class KVBuffer:
         ``rows`` limits it to the first batch rows (a prefill of fewer prompts than the buffer holds)."""
         return CacheView(self, slots, width, rows)
 
+    def rows(self, start: int, stop: int) -> "KVBuffer":
+        """The cache of rows ``[start, stop)``, sharing this buffer's memory (allocating it if needed)."""
+        return KVRows(self, start, stop)
+
     def compact(self, src: torch.Tensor, lengths: torch.Tensor) -> None:
         """Move slots ``src`` [B, M] of every row to ``lengths[b] + [0, M)``, in every layer.
 
@@ -63,6 +67,29 @@ class KVBuffer:
         for buffer in self.buffers():
             buffer[rows, :, dst] = buffer[rows, :, src]  # [B, M, H, D] read, then written
 
+
+class KVRows(KVBuffer):
+    """A range of another buffer's rows: its keys and values are slices of the parent's, taken when read, so
+    that the parent may allocate after the view was made."""
+
+    def __init__(self, parent: KVBuffer, start: int, stop: int):  # noqa: super() not called: no own buffers
+        self.parent, self.start, self.stop = parent, start, stop
+        self.num_layers, self.capacity, self.batch_size = parent.num_layers, parent.capacity, stop - start
+
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        return [k[self.start: self.stop] for k in self.parent.keys]
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        return [v[self.start: self.stop] for v in self.parent.values]
+
+    @property
+    def allocated(self) -> bool:
+        return self.parent.allocated
+
+    def allocate(self, like: torch.Tensor) -> None:
+        self.parent.allocate(like)
 
 
 class CacheView(Cache):

@@ -107,17 +107,19 @@ def decode(decoder: "Decoder", batch: list[list[int]], config: DecodeConfig) -> 
     decoder.check_prompt_fits(max(lengths))
     limits = [min(config.max_new_tokens, capacity - length) for length in lengths]
     limit_reasons = [LENGTH if config.max_new_tokens <= capacity - length else MAX_LENGTH for length in lengths]
-    tables = decoder.tables if use_ppd else None
-    prompt_embeds = decoder.prompt_embeds() if use_ppd else None
+    bucket = batch_bucket(n, exact)
+    # The batch policy's tree for this bucket; none where the one-row step is faster at this batch size.
+    tables = decoder.tables_for(bucket) if use_ppd else None
+    prompt_embeds = decoder.prompt_embeds(tables) if tables is not None else None
     top_p = config.top_p < 1.0
 
-    state = decoder.states.acquire(batch_bucket(n, exact))
+    state = decoder.states.acquire(bucket)
     try:
         with torch.no_grad():
             state.reset(n, limits, limit_reasons, sorted(decoder.eos_token_ids) if config.stop_on_eos else [],
                         config.seed if config.seed is not None else 0, max(config.temperature, 1e-6), config.top_p,
                         config.posterior_threshold, config.posterior_alpha)
-            prefill(decoder, batch, state, use_ppd, config)
+            prefill(decoder, batch, state, use_ppd, config.greedy, config.top_p < 1.0)
             report = state.report[:n].tolist()
         progress = Progress([[] for _ in batch], [0] * n, [[] for _ in batch], [None] * n)
         progress.record(report, count_step=False)
@@ -127,7 +129,7 @@ def decode(decoder: "Decoder", batch: list[list[int]], config: DecodeConfig) -> 
         step = 0
         while not all(progress.finished()):
             # Near the end of the context window the tree's positions would not fit: one row a step.
-            tree = use_ppd and max(host_lengths) + tables.max_offset < decoder.max_positions
+            tree = tables is not None and max(host_lengths) + tables.max_offset < decoder.max_positions
             rows = tables.num_rows if tree else 1
             width = attention_width(max(host_lengths) + rows, state.capacity, exact)
             kind = StepKind(tree=tree, greedy=config.greedy, top_p=top_p)
@@ -143,9 +145,10 @@ def decode(decoder: "Decoder", batch: list[list[int]], config: DecodeConfig) -> 
         decoder.states.release(state)
 
 
-def prefill(decoder: "Decoder", batch: list[list[int]], state: DecodeState, use_ppd: bool,
-            config: DecodeConfig) -> None:
-    """Run ``[x_b, prompt tokens]`` into the state's cache; set each row's length, root, guesses and key."""
+def prefill(decoder: "Decoder", batch: list[list[int]], state: DecodeState, use_ppd: bool, greedy: bool,
+            top_p: bool) -> None:
+    """Run ``[x_b, prompt tokens]`` into the first rows of the state's cache; set each row's length, root,
+    guesses and key. ``greedy``: every row is greedy; ``top_p``: some row samples with a top-p filter."""
     n = len(batch)
     pt = decoder.prompt_tokens
     n_prompt = pt.num_prompt_tokens if use_ppd else 0
@@ -160,16 +163,16 @@ def prefill(decoder: "Decoder", batch: list[list[int]], state: DecodeState, use_
                         logits_to_keep=inputs.keep)
     rows = inputs.rows(out.logits)  # [n, 1 + N*V, vocab]
     state.lengths[:n] = inputs.lengths
-    if config.greedy:
+    if greedy:
         root = rows[:, 0].argmax(-1)
     else:
-        top_p = state.top_p if config.top_p < 1.0 else None
-        root = sample_tokens(rows[:, 0], state.temperature, top_p, state.seed[:n],
-                             state.draws[:n])
+        sampled = sample_tokens(rows[:, 0], state.temperature[:n], state.top_p[:n] if top_p else None,
+                                state.seed[:n], state.draws[:n])
+        root = torch.where(state.greedy[:n], rows[:, 0].argmax(-1), sampled)
         state.draws[:n] += 1
     state.root[:n] = root
     if use_ppd:
-        guesses = average_copies(rows[:, 1:], n_prompt, V).topk(decoder.tables.top_k, dim=-1).indices
+        guesses = average_copies(rows[:, 1:], n_prompt, V).topk(decoder.guess_k, dim=-1).indices
         state.guesses[:n] = guesses
         state.key[:n] = n_prompt
     start_rows(state)

@@ -14,6 +14,12 @@ Per batch row b (a bucket may hold padding rows, which start finished):
   (:data:`RUNNING`, :data:`EOS`, :data:`LENGTH`, :data:`MAX_LENGTH`), ``limit_reason[b]`` the reason its
   limit stands for.
 - ``report[b]``: what the last step did, ``[count, accepted, reason, length, tokens...]``.
+- ``eos[b]``: the row's EOS ids (-1 padded); ``seed[b]``, ``draws[b]``, ``temperature[b]``, ``top_p[b]``,
+  the typical-acceptance bounds and ``greedy[b]``: the row's own sampling settings, so that requests with
+  different settings can share a batch (a greedy row in a sampled step still takes the argmax).
+
+:meth:`DecodeState.rows` is a view of a range of rows sharing the buffers (a continuous batch runs a step
+over its first rows, and prefills a joining request into its own row).
 """
 
 from __future__ import annotations
@@ -47,17 +53,53 @@ class DecodeState:
         self.limit = longs(B)
         self.reason = longs(B)
         self.limit_reason = longs(B)
-        self.eos = torch.full((max(num_eos, 1),), -1, dtype=torch.long, device=device)
+        self.eos = torch.full((B, max(num_eos, 1)), -1, dtype=torch.long, device=device)
         self.report = longs(B, REPORT_HEAD + max_emit)
         # Sampling: per-row seeds and a per-row counter of random draws (see ``ppd.acceptance.uniform``).
         self.seed = longs(B)
         self.draws = longs(B)
-        self.temperature = torch.ones(1, device=device)
-        self.top_p = torch.ones(1, device=device)
-        self.posterior_threshold = torch.zeros(1, device=device)
-        self.posterior_alpha = torch.zeros(1, device=device)
+        self.temperature = torch.ones(B, device=device)
+        self.top_p = torch.ones(B, device=device)
+        self.posterior_threshold = torch.zeros(B, device=device)
+        self.posterior_alpha = torch.zeros(B, device=device)
+        self.greedy = torch.ones(B, dtype=torch.bool, device=device)
         # Slot numbers 0..capacity-1; a step attends over a prefix of them (its width).
         self.slot_ids = torch.arange(capacity, device=device)
+
+    def row_tensors(self) -> list[torch.Tensor]:
+        """Every per-row buffer except the KV cache."""
+        return [self.lengths, self.root, self.guesses, self.key, self.generated, self.limit, self.reason,
+                self.limit_reason, self.eos, self.report, self.seed, self.draws, self.temperature, self.top_p,
+                self.posterior_threshold, self.posterior_alpha, self.greedy]
+
+    def rows(self, start: int, stop: int) -> "DecodeState":
+        """A state of rows ``[start, stop)`` that shares this one's buffers (writes go through)."""
+        names = ["lengths", "root", "guesses", "key", "generated", "limit", "reason", "limit_reason", "eos",
+                 "report", "seed", "draws", "temperature", "top_p", "posterior_threshold", "posterior_alpha",
+                 "greedy"]
+        view = object.__new__(DecodeState)
+        view.__dict__.update(self.__dict__)
+        for name in names:
+            setattr(view, name, getattr(self, name)[start:stop])
+        view.batch_size = stop - start
+        view.kv = self.kv.rows(start, stop)
+        return view
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        """Copy row ``src`` (its first ``length`` cache slots and every per-row buffer) into row ``dst``."""
+        for tensor in self.row_tensors():
+            tensor[dst] = tensor[src]
+        for buffer in self.kv.buffers():
+            buffer[dst, :, :length] = buffer[src, :, :length]
+
+    def vacate(self, row: int) -> None:
+        """Make ``row`` inert padding: finished, empty, with a valid tree key."""
+        self.reason[row] = LENGTH
+        self.lengths[row] = 0
+        self.generated[row] = 0
+        self.limit[row] = 1
+        self.key[row] = 0
+        self.report[row] = 0
 
     def small_tensors(self) -> list[torch.Tensor]:
         """Every buffer a step changes except the KV cache, whose changes past ``lengths`` are stale anyway."""
@@ -73,7 +115,8 @@ class DecodeState:
 
     def reset(self, rows: int, limits: list[int], limit_reasons: list[int], eos: list[int], seed: int,
               temperature: float, top_p: float, posterior_threshold: float, posterior_alpha: float) -> None:
-        """Prepare for a request of ``rows`` real rows (the rest of the bucket is padding, finished at once)."""
+        """Prepare for a request of ``rows`` real rows (the rest of the bucket is padding, finished at once).
+        ``temperature`` 0 is greedy."""
         B = self.batch_size
         pad = B - rows
 
@@ -88,12 +131,13 @@ class DecodeState:
         self.key.zero_()
         self.draws.zero_()
         self.report.zero_()
-        eos_ids = sorted(eos)[: self.eos.numel()]
-        put(self.eos, eos_ids + [-1] * (self.eos.numel() - len(eos_ids)))
+        eos_ids = sorted(eos)[: self.eos.shape[1]]
+        put(self.eos, [eos_ids + [-1] * (self.eos.shape[1] - len(eos_ids))] * B)
         # One seed per row, derived from the request's seed so that rows draw independent numbers.
         put(self.seed, [(seed * 1_000_003 + b * 7_919) % (1 << 31) for b in range(B)])
-        for buffer, value in ((self.temperature, temperature), (self.top_p, top_p),
-                              (self.posterior_threshold, posterior_threshold), (self.posterior_alpha, posterior_alpha)):
+        for buffer, value in ((self.temperature, max(temperature, 1e-6)), (self.top_p, top_p),
+                              (self.posterior_threshold, posterior_threshold), (self.posterior_alpha, posterior_alpha),
+                              (self.greedy, temperature == 0)):
             buffer.fill_(value)
 
 

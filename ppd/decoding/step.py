@@ -67,7 +67,7 @@ def stop_rows(state: DecodeState, emitted: torch.Tensor, count: torch.Tensor) ->
     """
     width = emitted.shape[1]
     live = torch.arange(width, device=emitted.device)[None, :] < count[:, None]
-    is_eos = (emitted[..., None] == state.eos).any(-1) & live
+    is_eos = (emitted[..., None] == state.eos[:, None, :]).any(-1) & live
     any_eos = is_eos.any(1)
     upto_eos = torch.where(any_eos, is_eos.long().argmax(1) + 1, width)
     room = state.limit - state.generated
@@ -147,8 +147,12 @@ def evaluate_posterior(tables: TreeTables | None, state: DecodeState, rows: Cand
         accepted = torch.zeros_like(state.root)
         return accepted[:, None], accepted
     key = state.key
-    verdict = accept_candidates(node_logits, rows.node_tokens, tables.parent_row[key], greedy,
-                                state.temperature, state.posterior_threshold, state.posterior_alpha)
+    parents = tables.parent_row[key]
+    verdict = accept_candidates(node_logits, rows.node_tokens, parents, True)
+    if not greedy:  # rows that sample use typical acceptance; greedy rows of the same batch keep the argmax rule
+        typical = accept_candidates(node_logits, rows.node_tokens, parents, False, state.temperature,
+                                    state.posterior_threshold, state.posterior_alpha)
+        verdict = torch.where(state.greedy[:, None], verdict, typical)
     best, accepted = longest_accepted_path(verdict, tables.retrieve_indices[key], tables.retrieve_valid[key])
     batch = torch.arange(best.shape[0], device=best.device)
     return tables.retrieve_indices[key][batch, best], accepted
@@ -166,8 +170,9 @@ def update_inference_inputs(lm: LanguageModel, tables: TreeTables | None, state:
     if kind.greedy:
         new_root = last_logits.argmax(-1)
     else:
-        new_root = sample_tokens(last_logits, state.temperature, state.top_p if kind.top_p else None,
-                                 state.seed, state.draws)
+        sampled = sample_tokens(last_logits, state.temperature, state.top_p if kind.top_p else None,
+                                state.seed, state.draws)
+        new_root = torch.where(state.greedy, last_logits.argmax(-1), sampled)
         state.draws.add_(running.long())
     emitted = torch.cat([rows.node_tokens.gather(1, path)[:, 1:], torch.zeros_like(new_root)[:, None]], dim=1)
     emitted = emitted.scatter(1, accepted[:, None], new_root[:, None])  # accepted candidates, then the root

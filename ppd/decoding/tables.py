@@ -41,9 +41,14 @@ class TreeTables:
 
     @classmethod
     def build(cls, trees: TreeSet, num_ensemble: int, attention_type: AttentionType | str,
-              device: torch.device | str = "cpu") -> "TreeTables":
+              device: torch.device | str = "cpu", top_k: int | None = None) -> "TreeTables":
+        """``top_k``: guesses kept per prompt token (default the tree set's own); tree sets that share a
+        decoder state share one, at least each set's own."""
         n = trees.num_prompt_tokens
-        per_key = [TreeBuffers.build(trees.trees[key], key, n, num_ensemble, attention_type, trees.top_k)
+        top_k = top_k or trees.top_k
+        if top_k < trees.top_k:
+            raise ValueError(f"top_k {top_k} is below the tree set's top_k {trees.top_k}")
+        per_key = [TreeBuffers.build(trees.trees[key], key, n, num_ensemble, attention_type, top_k)
                    for key in range(1, n + 1)]
         per_key = [per_key[0]] + per_key  # index 0 repeats key 1
         C = max(b.num_nodes for b in per_key) - 1
@@ -83,7 +88,7 @@ class TreeTables:
             used = torch.arange(NV)[None, :] < count[:, None] * num_ensemble
             node_rows[k, :nodes] = torch.where(used, remap[b.node_prompt_rows.cpu()], 0)
         return cls(
-            num_prompt_tokens=n, num_ensemble=num_ensemble, top_k=trees.top_k, num_rows=T, num_candidates=C,
+            num_prompt_tokens=n, num_ensemble=num_ensemble, top_k=top_k, num_rows=T, num_candidates=C,
             depth=depth, candidate_index=candidate_index.to(device), parent_row=parent_row.to(device),
             prompt_index=prompt_index.to(device), position_offset=position_offset.to(device),
             allowed=allowed.to(device), retrieve_indices=retrieve.to(device), retrieve_valid=valid.to(device),

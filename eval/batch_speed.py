@@ -1,0 +1,148 @@
+"""Decoder throughput by batch size: PPD (the adapter's batch policy, or fixed trees) against the engine's
+baseline, on real prompts, in one run.
+
+Usage:
+    python -m eval.batch_speed --batch_sizes 1 2 4 8 16 32 64 128 --bench mt_bench --max_new_tokens 256 \\
+        --dtype bfloat16 --output results/serving/batch_speed_h200.json --plot results/serving/batch_speed_h200.png \\
+        [--trees results/trees/h200/trees/tree_64.json]
+
+Batch B decodes the first B first-turn prompts of the benchmark (cycled past its end), each in the model's
+chat template, as one static batch (``Decoder.generate``): throughput is every row's new tokens over the
+wall time until the last row stops. ``ppd`` is the decoder as loaded (the adapter's batch policy when it
+ships one for this device and dtype: its tree for each bucket, or the one-row step); each ``--trees``
+file adds a ``ppd:<file>`` variant verifying every batch with that one tree set. Each batch size is
+warmed up untimed first (capture and compilation, and one short generation). Greedy outputs of every
+variant are compared with the baseline's. Writes JSON, a table and a plot of the speed-up by batch size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_decoder_or_exit
+from ppd.config import DecodeConfig
+from ppd.decoding.loop import batch_bucket
+from ppd.tree import TreeSet
+
+from .benchmarks import load_benchmark
+from .gen_answers import prompt_ids, turn_messages
+from .records import environment, write_json
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m eval.batch_speed", description=__doc__.split("\n")[0])
+    add_model_args(parser)
+    add_adapter_args(parser)
+    add_engine_args(parser)
+    parser.add_argument("--batch_sizes", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32, 64, 128])
+    parser.add_argument("--bench", default="mt_bench", choices=["mt_bench", "alpaca_eval", "humaneval", "gsm8k"])
+    parser.add_argument("--max_new_tokens", type=int, default=256)
+    parser.add_argument("--trees", nargs="*", default=[], help="fixed tree sets to compare with the policy")
+    parser.add_argument("--output", default=None, help="JSON file")
+    parser.add_argument("--plot", default=None, help="PNG of the speed-up by batch size")
+    return parser
+
+
+def prompts_for(tokenizer, bench: str, count: int) -> list[list[int]]:
+    questions = load_benchmark(bench)
+    return [prompt_ids(tokenizer, bench, turn_messages(questions[i % len(questions)].turns[:1], []))
+            for i in range(count)]
+
+
+def run(args: argparse.Namespace) -> dict:
+    loaded = load_decoder_or_exit(args)
+    decoder = loaded.decoder
+    device = decoder.device
+    exact = args.capture in ("eager", "compile") or device.type != "cuda" and args.capture == "auto"
+    variants = {"baseline": (decoder, "baseline"), "ppd": (decoder, "ppd")}
+    for name in args.trees:
+        variants[f"ppd:{Path(name).name}"] = (decoder.with_trees(TreeSet.load(name)), "ppd")
+    prompts = prompts_for(loaded.tokenizer, args.bench, max(args.batch_sizes))
+    rows = []
+    for batch in args.batch_sizes:
+        inputs = prompts[:batch]
+        outputs = {}
+        for name, (dec, method) in variants.items():
+            config = DecodeConfig(method=method, max_new_tokens=args.max_new_tokens, capture=args.capture)
+            warmup = dec.warmup(batch_sizes=[batch], methods=[method], capture=args.capture)
+            dec.generate(inputs, DecodeConfig(method=method, max_new_tokens=8, capture=args.capture))
+            start = time.perf_counter()
+            outs = dec.generate(inputs, config)
+            wall = time.perf_counter() - start
+            tokens = sum(o.new_tokens for o in outs)
+            steps = sum(o.steps for o in outs)
+            tables = dec.tables_for(batch_bucket(batch, exact)) if method == "ppd" else None
+            outputs[name] = [o.token_ids for o in outs]
+            rows.append({"batch_size": batch, "variant": name, "tree_rows": tables.num_rows if tables else 1,
+                         "new_tokens": tokens, "wall_time_s": wall, "tokens_per_s": tokens / wall,
+                         "accept_length": tokens / steps if steps else None, "warmup_s": warmup,
+                         "max_steps": max(o.steps for o in outs)})
+            print(f"batch {batch:4d} | {name} | {tokens / wall:9.1f} tokens/s", file=sys.stderr)
+        for row in rows[-len(variants):]:
+            row["identical_to_baseline"] = sum(a == b for a, b in zip(outputs[row["variant"]], outputs["baseline"])
+                                               ) / batch
+            row["speedup"] = row["tokens_per_s"] / next(r["tokens_per_s"] for r in rows[-len(variants):]
+                                                        if r["variant"] == "baseline")
+    return {"model": loaded.info.model_id, "adapter": loaded.adapter, "tree": loaded.tree, "bench": args.bench,
+            "max_new_tokens": args.max_new_tokens, "capture": args.capture,
+            "dtype": str(decoder.dtype).removeprefix("torch."), **environment(device), "rows": rows}
+
+
+def table(result: dict) -> str:
+    variants = list(dict.fromkeys(r["variant"] for r in result["rows"]))
+    lines = ["| batch | " + " | ".join(f"{v} tokens/s" for v in variants) + " | "
+             + " | ".join(f"{v} speed-up (rows, accept length)" for v in variants if v != "baseline") + " |",
+             "|---" * (1 + 2 * len(variants) - 1) + "|"]
+    for batch in dict.fromkeys(r["batch_size"] for r in result["rows"]):
+        here = {r["variant"]: r for r in result["rows"] if r["batch_size"] == batch}
+        cells = [f"{here[v]['tokens_per_s']:.0f}" for v in variants]
+        cells += [f"{here[v]['speedup']:.2f}x ({here[v]['tree_rows']}, {here[v]['accept_length'] or 0:.2f})"
+                  for v in variants if v != "baseline"]
+        lines.append(f"| {batch} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for variant in dict.fromkeys(r["variant"] for r in result["rows"]):
+        if variant == "baseline":
+            continue
+        here = [r for r in result["rows"] if r["variant"] == variant]
+        ax.plot([r["batch_size"] for r in here], [r["speedup"] for r in here], marker="o", label=variant)
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1, label="baseline")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("throughput / baseline")
+    ax.set_title(f"{result['model']}, {result['dtype']}, {result['device']}")
+    ax.legend()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    with torch.no_grad():
+        result = run(args)
+    print(f"{result['model']} ({result['adapter']}, {result['tree']}) on {result['device']}, {result['dtype']}, "
+          f"{result['bench']}, max_new_tokens={result['max_new_tokens']}")
+    print(table(result))
+    if args.output:
+        write_json(args.output, {**result, "command": " ".join(["python -m eval.batch_speed", *(argv or sys.argv[1:])])})
+    if args.plot:
+        plot(result, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Which tree PPD verifies at each batch size: speculation where it pays, none where it does not.
+
+A step's cost grows with its rows, and a batch multiplies them: a tree that pays at batch 1 can cost more
+than the tokens it adds at batch 128. A :class:`BatchPolicy` names, for each batch bucket (the powers of
+two the decoder pads a batch to), the tree set with the most expected tokens per second there, or none,
+where the one-row step is faster. ``eval.pick_tree --batch_sizes`` makes one from measured step times and
+installs it in the adapter as ``policy_<device type>_<dtype>.json``; the decoder follows it as a batch
+grows and shrinks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .files import atomic_write_json, check_format_version, load_json_file
+from .tree import TreeSet
+
+POLICY_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    """``trees[i]`` serves batches of ``buckets[i - 1] + 1 .. buckets[i]`` rows (``None``: no tree, the
+    one-row step); batches past the last bucket take the last entry."""
+
+    buckets: tuple[int, ...]
+    trees: tuple[TreeSet | None, ...]
+    metadata: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.buckets or len(self.buckets) != len(self.trees):
+            raise ValueError("a batch policy needs one tree set (or none) per bucket, and at least one bucket")
+        if any(b < 1 for b in self.buckets) or list(self.buckets) != sorted(set(self.buckets)):
+            raise ValueError(f"buckets must be increasing batch sizes >= 1, got {list(self.buckets)}")
+        sets = [t for t in self.trees if t is not None]
+        if len({t.num_prompt_tokens for t in sets}) > 1:
+            raise ValueError("every tree set of a batch policy must be built for the same number of prompt tokens")
+
+    def for_batch(self, size: int) -> TreeSet | None:
+        """The tree set (or ``None``) for a batch of ``size`` rows."""
+        for bucket, trees in zip(self.buckets, self.trees):
+            if size <= bucket:
+                return trees
+        return self.trees[-1]
+
+    @property
+    def tree_sets(self) -> list[TreeSet]:
+        """The distinct tree sets the policy uses, in bucket order."""
+        seen: list[TreeSet] = []
+        for trees in self.trees:
+            if trees is not None and all(trees is not s for s in seen):
+                seen.append(trees)
+        return seen
+
+    def describe(self) -> str:
+        """One line: each bucket and the rows of its tree (``-`` for none)."""
+        def rows(t):
+            return "-" if t is None else str(t.metadata.get("budget", max(len(x.paths) for x in t.trees.values())))
+        return ", ".join(f"<= {b}: {rows(t)}" for b, t in zip(self.buckets, self.trees))
+
+    # ------------------------------------------------------------------ JSON
+    def to_json(self) -> dict:
+        return {"format_version": POLICY_FORMAT_VERSION, "metadata": self.metadata,
+                "buckets": [{"max_batch": b, "trees": None if t is None else t.to_json()}
+                            for b, t in zip(self.buckets, self.trees)]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "BatchPolicy":
+        check_format_version(data, POLICY_FORMAT_VERSION, "batch policy")
+        entries = data["buckets"]
+        return cls(tuple(int(e["max_batch"]) for e in entries),
+                   tuple(None if e["trees"] is None else TreeSet.from_json(e["trees"]) for e in entries),
+                   dict(data.get("metadata", {})))
+
+    def save(self, path: str | Path) -> None:
+        atomic_write_json(path, self.to_json(), sort_keys=True)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "BatchPolicy":
+        return load_json_file(path, cls.from_json, "a ppd batch policy (from `python -m eval.pick_tree --batch_sizes`)")
+
+    @staticmethod
+    def adapter_file(adapter_dir: str | Path, device_type: str, dtype: str) -> Path | None:
+        """``policy_<device type>_<dtype>.json`` in the adapter directory, if it is there."""
+        path = Path(adapter_dir) / f"policy_{device_type}_{dtype}.json"
+        return path if path.is_file() else None

@@ -1,0 +1,354 @@
+"""Continuous batching: requests join the running batch between steps and leave when they finish.
+
+One thread runs the decoder's captured step over a persistent batch state of ``max_batch`` rows. Running
+requests occupy its first rows; a step runs over the smallest power-of-two bucket that holds them (a view
+of the state's first rows, so graphs captured for a bucket stay valid). Between steps the thread
+
+1. drops finished and cancelled requests, moving the last running row into each freed row, so the
+   running rows stay packed at the front and the bucket shrinks as the batch does;
+2. admits waiting requests into free rows, each with its own prefill into its row of the cache;
+3. runs one step for the bucket: the PPD tree step with the tree the decoder's batch policy names for
+   that bucket, or the one-row step where the policy says speculation does not pay.
+
+Greedy requests decode exactly the tokens they would decode alone: rows never see each other (each row
+attends only to its own cache), and which tree verifies a row changes only how many tokens a step emits,
+never which. ``ppd`` and ``baseline`` requests run in separate lanes (one state each) whose steps
+alternate.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..config import CaptureMode, DecodeConfig, DecodeMethod
+from ..decoding.graphs import resolve_mode
+from ..decoding.loop import attention_width, batch_bucket, capture_widths, prefill
+from ..decoding.state import LENGTH, MAX_LENGTH, REASONS, REPORT_HEAD, RUNNING, DecodeState
+from ..decoding.step import StepKind
+from .stream import EngineClosedError, QueueFullError, Stream
+
+if TYPE_CHECKING:
+    from ..decoder import Decoder
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class BatcherConfig:
+    max_batch: int = 64  # rows of each lane's state: requests that decode at once
+    max_queue: int = 256  # requests that may wait for a row; past that ``submit`` raises QueueFullError
+    capture: CaptureMode = CaptureMode.AUTO
+
+    def __post_init__(self) -> None:
+        self.capture = CaptureMode(self.capture)
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+
+
+class ContinuousBatcher:
+    """Decodes every submitted request with ``decoder`` in one shared, continuously refilled batch.
+
+    Use as a context manager (or call :meth:`start` and :meth:`close`). :meth:`submit` returns a
+    :class:`~ppd.serving.stream.Stream` at once; it raises ``PromptTooLongError`` / ``ValueError`` for a
+    request that cannot run and :class:`QueueFullError` when ``max_queue`` requests already wait.
+    """
+
+    def __init__(self, decoder: "Decoder", config: BatcherConfig | None = None):
+        self.decoder = decoder
+        self.config = config or BatcherConfig()
+        self.mode = resolve_mode(self.config.capture, decoder.device)
+        self._exact = self.mode in (CaptureMode.EAGER, CaptureMode.COMPILE)
+        self._runner = decoder.runner(self.mode)
+        self._lanes: dict[DecodeMethod, _Lane] = {}
+        self._waiting: collections.deque[_Pending] = collections.deque()
+        self._cond = threading.Condition()
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.steps_run = 0  # forward passes of every lane so far, prefills included
+        self.error: BaseException | None = None
+
+    # ------------------------------------------------------------------ life cycle
+    def __enter__(self) -> "ContinuousBatcher":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def start(self) -> "ContinuousBatcher":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="ppd-batcher", daemon=True)
+            self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop the thread; requests still waiting or running end with :class:`EngineClosedError`."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def warmup(self, methods: tuple[str, ...] | None = None, greedy: bool = True) -> float:
+        """Capture (and compile) ahead of time the steps of every bucket up to ``max_batch`` for these
+        methods (default: ``ppd`` where the decoder has prompt tokens, and ``baseline``). Call before
+        :meth:`start` or while nothing runs. Returns the seconds it took (nothing to do on a CPU)."""
+        if self.mode is CaptureMode.EAGER:
+            return 0.0
+        start = time.perf_counter()
+        methods = methods or (("ppd", "baseline") if self.decoder.tables is not None else ("baseline",))
+        for method in methods:
+            lane = self._lane(DecodeMethod(method))
+            bucket = 1
+            while bucket <= self._bucket(self.config.max_batch):
+                tables = lane.tables(bucket)
+                view = lane.view(bucket)
+                if not lane.state.kv.allocated:
+                    lane.allocate()
+                widths = capture_widths(tables.num_rows if tables is not None else 1, view.capacity)
+                with torch.no_grad():
+                    self._runner.prepare(tables, lane.prompt_embeds(tables), view,
+                                         StepKind(tree=tables is not None, greedy=greedy, top_p=False), widths)
+                bucket *= 2
+        return time.perf_counter() - start
+
+    # ------------------------------------------------------------------ requests
+    @property
+    def running(self) -> int:
+        """Requests decoding now (admitted, not yet finished)."""
+        return sum(not row.done for lane in list(self._lanes.values()) for row in list(lane.rows))
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def submit(self, prompt_ids: list[int], config: DecodeConfig | None = None) -> Stream:
+        """Queue a request; returns its stream at once. Raises ``PromptTooLongError`` (a ``ValueError``) for a
+        prompt that leaves no room in the cache, ``ValueError`` for an impossible request,
+        :class:`QueueFullError` when ``max_queue`` requests already wait, :class:`EngineClosedError` after
+        :meth:`close`."""
+        config = config or DecodeConfig()
+        ids = [int(i) for i in prompt_ids]
+        if not ids:
+            raise ValueError("the prompt needs at least one token")
+        if config.method is DecodeMethod.PPD and self.decoder.prompt_tokens is None:
+            raise ValueError("method 'ppd' needs prompt tokens (an adapter); use method 'baseline' without one")
+        self.decoder.check_prompt_fits(len(ids))
+        with self._cond:
+            if self._closed:
+                raise EngineClosedError("the batcher is closed")
+            if len(self._waiting) >= self.config.max_queue:
+                raise QueueFullError(f"{len(self._waiting)} requests are already waiting (max_queue "
+                                     f"{self.config.max_queue}); try again later")
+            stream = Stream(next(self._ids), len(ids), config.method.value)
+            self._waiting.append(_Pending(stream, ids, config))
+            self._cond.notify_all()
+        return stream
+
+    # ------------------------------------------------------------------ the batcher thread
+    def _bucket(self, size: int) -> int:
+        return batch_bucket(size, self._exact)
+
+    def _lane(self, method: DecodeMethod) -> "_Lane":
+        if method not in self._lanes:
+            self._lanes[method] = _Lane(self, method)
+        return self._lanes[method]
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._closed and not self._waiting and not any(
+                            lane.rows for lane in self._lanes.values()):
+                        self._cond.wait()
+                    if self._closed:
+                        break
+                    joining = self._take_joining()
+                for lane in list(self._lanes.values()):
+                    lane.drop_cancelled()
+                for method, pending in joining.items():
+                    self._lanes[method].admit(pending)
+                for lane in list(self._lanes.values()):
+                    if lane.rows:
+                        lane.step()
+        except BaseException as error:  # noqa: BLE001 - every request must learn that the engine died
+            logger.exception("the batcher stopped")
+            self.error = error
+            with self._cond:
+                self._closed = True
+        finally:
+            closed = self.error or EngineClosedError("the batcher was closed")
+            with self._cond:
+                for pending in self._waiting:
+                    pending.stream._finish("cancelled", error=closed)
+                self._waiting.clear()
+            for lane in self._lanes.values():
+                for row in lane.rows:
+                    row.stream._finish("cancelled", error=closed)
+                lane.rows.clear()
+
+    def _take_joining(self) -> dict[DecodeMethod, list["_Pending"]]:
+        """Waiting requests that fit their lane's free rows, in arrival order (called under the lock);
+        requests cancelled while waiting end here."""
+        joining: dict[DecodeMethod, list[_Pending]] = {}
+        kept: collections.deque[_Pending] = collections.deque()
+        for pending in self._waiting:
+            if pending.stream.cancelled:
+                pending.stream._push([], 0, "cancelled", counts_as_step=False)
+                continue
+            method = pending.config.method
+            free = self.config.max_batch - (len(self._lanes[method].rows) if method in self._lanes else 0)
+            if len(joining.get(method, [])) < free:
+                joining.setdefault(method, []).append(pending)
+                self._lane(method)
+            else:
+                kept.append(pending)
+        self._waiting = kept
+        return joining
+
+
+@dataclass
+class _Pending:
+    stream: Stream
+    ids: list[int]
+    config: DecodeConfig
+
+
+@dataclass
+class _Row:
+    stream: Stream
+    greedy: bool
+    top_p: bool  # samples with a top-p filter
+    length: int = 0  # committed cache entries, as of the last report
+    done: bool = False
+
+
+@dataclass
+class _Lane:
+    """The rows of one method: a state of ``max_batch`` rows whose first ``len(rows)`` are running."""
+
+    batcher: ContinuousBatcher
+    method: DecodeMethod
+    rows: list[_Row] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        decoder = self.batcher.decoder
+        self.use_ppd = self.method is DecodeMethod.PPD
+        self.state: DecodeState = decoder._new_state(self.batcher._bucket(self.batcher.config.max_batch))
+        self.state.reset(0, [], [], [], 0, 0.0, 1.0, 0.09, 0.3)  # every row starts as finished padding
+        self._views: dict[tuple[int, int], DecodeState] = {}
+
+    def view(self, bucket: int, start: int = 0) -> DecodeState:
+        """Rows ``[start, start + bucket)`` of the state; the same object each time (graphs are keyed by it)."""
+        key = (start, bucket)
+        if key not in self._views:
+            self._views[key] = self.state.rows(start, start + bucket)
+        return self._views[key]
+
+    def tables(self, bucket: int):
+        return self.batcher.decoder.tables_for(bucket) if self.use_ppd else None
+
+    def prompt_embeds(self, tables):
+        return self.batcher.decoder.prompt_embeds(tables) if tables is not None else None
+
+    def allocate(self) -> None:
+        """Allocate the cache with a one-token prefill into row 0, left as padding."""
+        with torch.no_grad():
+            view = self.view(1)
+            view.reset(1, [1], [LENGTH], [], 0, 0.0, 1.0, 0.09, 0.3)
+            prefill(self.batcher.decoder, [[0]], view, self.use_ppd, True, False)
+            self.state.vacate(0)
+
+    def admit(self, joining: list[_Pending]) -> None:
+        """Prefill the joining requests, together, into the rows after the running ones."""
+        decoder = self.batcher.decoder
+        start = len(self.rows)
+        capacity = decoder.capacity
+        with torch.no_grad():
+            for i, pending in enumerate(joining):
+                c = pending.config
+                length = len(pending.ids)
+                limit = min(c.max_new_tokens, capacity - length)
+                reason = LENGTH if c.max_new_tokens <= capacity - length else MAX_LENGTH
+                eos = sorted(decoder.eos_token_ids) if c.stop_on_eos else []
+                # Reset alone, as a request of one row: its seed (and so its samples) are those it has alone.
+                self.state.rows(start + i, start + i + 1).reset(
+                    1, [limit], [reason], eos, c.seed if c.seed is not None else 0, max(c.temperature, 0.0),
+                    c.top_p, c.posterior_threshold, c.posterior_alpha)
+                pending.stream._started_now()
+            view = self.state.rows(start, start + len(joining))
+            greedy = all(p.config.greedy for p in joining)
+            top_p = any(p.config.top_p < 1.0 for p in joining)
+            prefill(decoder, [p.ids for p in joining], view, self.use_ppd, greedy, top_p)
+            report = view.report.tolist()
+        self.batcher.steps_run += 1
+        for pending, line in zip(joining, report):
+            row = _Row(pending.stream, pending.config.greedy, pending.config.top_p < 1.0)
+            self.rows.append(row)
+            self._deliver(row, line, counts_as_step=False)
+        self._remove_finished()
+
+    def step(self) -> None:
+        """One step of every running row over the smallest bucket that holds them."""
+        batcher, decoder = self.batcher, self.batcher.decoder
+        n = len(self.rows)
+        bucket = batcher._bucket(n)
+        view = self.view(bucket)
+        tables = self.tables(bucket)
+        longest = max(row.length for row in self.rows)
+        tree = tables is not None and longest + tables.max_offset < decoder.max_positions
+        rows = tables.num_rows if tree else 1
+        width = attention_width(longest + rows, view.capacity, batcher._exact)
+        greedy = all(row.greedy for row in self.rows)
+        top_p = any(row.top_p for row in self.rows)
+        kind = StepKind(tree=tree, greedy=greedy, top_p=top_p and not greedy)
+        with torch.no_grad():
+            batcher._runner.run(tables if tree else None, self.prompt_embeds(tables) if tree else None, view, kind,
+                                width)
+            report = view.report[:n].tolist()  # the one host synchronisation of the step
+        batcher.steps_run += 1
+        for row, line in zip(self.rows, report):
+            self._deliver(row, line, counts_as_step=True)
+        self._remove_finished()
+
+    def drop_cancelled(self) -> None:
+        for row in self.rows:
+            if row.stream.cancelled and not row.done:
+                row.done = True
+                row.stream._push([], 0, "cancelled", counts_as_step=False)
+        self._remove_finished()
+
+    def _deliver(self, row: _Row, line: list[int], counts_as_step: bool) -> None:
+        if row.done:
+            return
+        count, guessed, reason, length = line[0], line[1], line[2], line[3]
+        row.length = length
+        finish = REASONS.get(reason) if reason != RUNNING else None
+        row.stream._push(line[REPORT_HEAD: REPORT_HEAD + count], guessed, finish, counts_as_step)
+        if finish is not None:
+            row.done = True
+
+    def _remove_finished(self) -> None:
+        """Free the rows of finished requests, moving the last running rows into them (rows stay packed)."""
+        i = 0
+        while i < len(self.rows):
+            if not self.rows[i].done:
+                i += 1
+                continue
+            last = len(self.rows) - 1
+            if i != last:
+                moved = self.rows[last]
+                self.state.move_row(last, i, moved.length)
+                self.rows[i] = moved
+            self.state.vacate(last)
+            self.rows.pop()

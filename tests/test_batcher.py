@@ -1,0 +1,125 @@
+"""Continuous batching: requests that join and leave a running batch decode exactly what they decode alone."""
+
+import random
+
+import pytest
+
+from ppd import DecodeConfig, Decoder
+from ppd.policy import BatchPolicy
+from ppd.serving import BatcherConfig, ContinuousBatcher, QueueFullError
+from tests.conftest import random_prompt_tokens, random_tree_set, tiny_model
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    model = tiny_model(seed=3)
+    return Decoder(model, random_prompt_tokens(model, 3, 1, seed=3), random_tree_set(seed=7, size=12),
+                   eos_token_ids=[5])
+
+
+def requests(seed: int, count: int):
+    rng = random.Random(seed)
+    return [([rng.randrange(24) for _ in range(rng.randint(1, 15))], rng.randint(1, 40)) for _ in range(count)]
+
+
+def chunks_of(stream):
+    return [(chunk.tokens, chunk.finish_reason) for chunk in stream]
+
+
+@pytest.mark.parametrize("method", ["ppd", "baseline"])
+def test_requests_joining_and_leaving_decode_what_they_decode_alone(decoder, method):
+    reqs = requests(1, 9)
+    with ContinuousBatcher(decoder, BatcherConfig(max_batch=3)) as batcher:  # 9 requests through 3 rows
+        streams = [batcher.submit(ids, DecodeConfig(method=method, max_new_tokens=n)) for ids, n in reqs]
+        results = [s.result(timeout=120) for s in streams]
+        assert batcher.running == 0 and batcher.waiting == 0
+    for (ids, n), result in zip(reqs, results):
+        alone = decoder.generate(ids, DecodeConfig(method=method, max_new_tokens=n))
+        assert result.token_ids == alone.token_ids
+        assert result.finish_reason == alone.finish_reason
+        if method == "ppd":
+            assert result.steps == alone.steps  # each step verifies the same tree as alone
+    assert any(r.accept_length > 1 for r in results)
+
+
+def test_greedy_and_seeded_sampled_requests_share_a_batch(decoder):
+    reqs = requests(2, 6)
+    configs = [DecodeConfig(max_new_tokens=n, temperature=0.0 if i % 2 else 0.9, top_p=1.0 if i % 3 else 0.8,
+                            seed=i) for i, (_, n) in enumerate(reqs)]
+    with ContinuousBatcher(decoder, BatcherConfig(max_batch=4)) as batcher:
+        streams = [batcher.submit(ids, c) for (ids, _), c in zip(reqs, configs)]
+        results = [s.result(timeout=120) for s in streams]
+    for (ids, _), config, result in zip(reqs, configs, results):
+        assert result.token_ids == decoder.generate(ids, config).token_ids
+
+
+def test_streamed_chunks_rebuild_the_answer_and_a_cancelled_request_frees_its_row(decoder):
+    reqs = requests(3, 4)
+    long_prompt = reqs[0][0]
+    with ContinuousBatcher(decoder, BatcherConfig(max_batch=4)) as batcher:
+        doomed = batcher.submit(long_prompt, DecodeConfig(max_new_tokens=200, stop_on_eos=False))
+        others = [batcher.submit(ids, DecodeConfig(max_new_tokens=n)) for ids, n in reqs[1:]]
+        first = next(iter(doomed))
+        doomed.cancel()
+        rest = chunks_of(doomed)
+        assert rest[-1][1] == "cancelled"
+        assert doomed.completion.new_tokens < 200 and len(first.tokens) >= 1
+        for (ids, n), stream in zip(reqs[1:], others):
+            got = chunks_of(stream)
+            tokens = [t for chunk, _ in got for t in chunk]
+            assert tokens == decoder.generate(ids, DecodeConfig(max_new_tokens=n)).token_ids
+            assert got[-1][1] in ("eos", "length")
+        assert batcher.running == 0
+
+
+def test_a_full_queue_refuses_more_requests():
+    model = tiny_model(seed=3)
+    decoder = Decoder(model)
+    batcher = ContinuousBatcher(decoder, BatcherConfig(max_batch=1, max_queue=2))  # not started: nothing leaves
+    config = DecodeConfig(method="baseline", max_new_tokens=4)
+    batcher.submit([1, 2], config)
+    batcher.submit([3], config)
+    with pytest.raises(QueueFullError, match="max_queue 2"):
+        batcher.submit([4], config)
+    with pytest.raises(ValueError, match="at least one token"):
+        batcher.submit([], config)
+    with pytest.raises(ValueError, match="needs prompt tokens"):
+        batcher.submit([1], DecodeConfig(method="ppd"))
+    batcher.start()
+    batcher.close()
+
+
+def test_the_batch_policy_switches_trees_as_the_batch_crosses_a_bucket():
+    model = tiny_model(seed=3)
+    big, small = random_tree_set(seed=7, size=12), random_tree_set(seed=8, size=3)
+    policy = BatchPolicy((1, 2, 8), (big, None, small))
+    decoder = Decoder(model, random_prompt_tokens(model, 3, 1, seed=3), policy=policy)
+    assert decoder.tables_for(1) is decoder.tables
+    assert decoder.tables_for(2) is None
+    assert decoder.tables_for(3) is decoder.tables_for(64) is not decoder.tables
+    assert decoder.tables_for(3).num_rows < decoder.tables.num_rows
+    # Two rows run the one-row step (one token a step); alone, the survivor goes back to the tree.
+    prompt = [1, 2, 3, 4]
+    alone = decoder.generate(prompt, DecodeConfig(max_new_tokens=60, stop_on_eos=False))
+    assert max(alone.step_tokens) > 1
+    assert all(t == 1 for t in decoder.generate([prompt, prompt], DecodeConfig(
+        max_new_tokens=60, stop_on_eos=False))[0].step_tokens)
+    with ContinuousBatcher(decoder, BatcherConfig(max_batch=4)) as batcher:
+        short = batcher.submit([7, 8], DecodeConfig(max_new_tokens=10, stop_on_eos=False))
+        long = batcher.submit(prompt, DecodeConfig(max_new_tokens=60, stop_on_eos=False))
+        assert short.result(timeout=60).new_tokens == 10
+        result = long.result(timeout=60)
+    assert result.token_ids == alone.token_ids
+    # While the short request ran, the long one took one token a step; after it left, the tree came back.
+    assert result.step_tokens[:8] == [1] * 8
+    assert max(result.step_tokens[10:]) > 1
+
+
+def test_policy_round_trips_through_json(tmp_path):
+    policy = BatchPolicy((1, 16, 128), (random_tree_set(seed=1), random_tree_set(seed=2, size=4), None),
+                         {"device": "cpu"})
+    policy.save(tmp_path / "policy_cpu_float32.json")
+    loaded = BatchPolicy.load(BatchPolicy.adapter_file(tmp_path, "cpu", "float32"))
+    assert loaded == policy
+    with pytest.raises(ValueError, match="increasing"):
+        BatchPolicy((4, 2), (None, None))
