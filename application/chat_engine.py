@@ -13,9 +13,7 @@ stops where the window ends (``finish_reason`` ``"max_length"``).
 
 from __future__ import annotations
 
-import threading
 import time
-from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -23,6 +21,7 @@ from ppd.chat import chat_input_ids
 from ppd.cli import Loaded
 from ppd.config import CaptureMode, DecodeConfig
 from ppd.decoder import GenerationOutput
+from ppd.serving import BatcherConfig, ContinuousBatcher
 
 MAX_TEMPERATURE = 1.5  # the temperature slider's top; requests above it are refused
 
@@ -76,22 +75,32 @@ def message_text(content) -> str:
 
 
 class ChatEngine:
-    """Streams replies of one decoder. Forward passes of different callers never overlap: each step runs
-    under a lock, which is never held between steps, so a caller that stops reading cannot block others.
+    """Streams replies of one decoder through a continuous batch: replies of concurrent users share forward
+    passes (up to ``max_batch`` at once, more wait), each decoding exactly what it would alone. A caller
+    that stops reading (or closes its stream) frees its row at the next step; the others go on.
 
-    The decoder's steps are compiled and captured once, here (``startup_s`` says how long it took; nothing
+    The batch's steps are compiled and captured once, here (``startup_s`` says how long it took; nothing
     on a CPU, where the step runs eager), and every later message reuses them and the same cache.
-    ``steps_run`` counts the forward passes of every reply so far (prefills included)."""
+    ``steps_run`` counts the forward passes of every reply so far (prefills included; a pass shared by
+    several replies counts once)."""
 
-    def __init__(self, loaded: Loaded, capture: CaptureMode | str = CaptureMode.AUTO):
+    def __init__(self, loaded: Loaded, capture: CaptureMode | str = CaptureMode.AUTO, max_batch: int = 8):
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.decoder = loaded.decoder
         self.capture = CaptureMode(capture)
-        self._lock = threading.Lock()
-        self.steps_run = 0
+        self.max_batch = max_batch
+        self.batcher = ContinuousBatcher(self.decoder, BatcherConfig(max_batch=max_batch, capture=self.capture))
         methods = ("ppd", "baseline") if self.has_prompt_tokens else ("baseline",)
-        self.startup_s = self.decoder.warmup(methods=methods, capture=self.capture)
+        self.startup_s = self.batcher.warmup(methods=methods)
+        self.batcher.start()
+
+    @property
+    def steps_run(self) -> int:
+        return self.batcher.steps_run
+
+    def close(self) -> None:
+        self.batcher.close()
 
     @property
     def has_prompt_tokens(self) -> bool:
@@ -141,29 +150,28 @@ class ChatEngine:
                max_new_tokens: int = 512, seed: int | None = None) -> Iterator[ReplyUpdate]:
         """Reply to ``messages``; raises what ``prepare`` raises before the first update.
 
-        Closing the stream (``close()``, as gradio does when a client goes away) stops decoding at once: no
-        further forward pass runs and the decoder's cache is free for the next request."""
+        Closing the stream (``close()``, as gradio does when a client goes away) ends the reply at the next
+        step: its row of the batch is free for the next request and the other replies go on."""
         request = self.prepare(messages, use_ppd=use_ppd, temperature=temperature, max_new_tokens=max_new_tokens,
                                seed=seed)
         method = request.config.method.value
         update = ReplyUpdate(token_ids=[], steps=0, finish_reason=None, wall_time_s=0.0, method=method)
         start = time.perf_counter()
-        # closing(): the decoder's generator releases its cache when this one is closed, not when collected.
-        with closing(self.decoder.stream(request.ids, request.config)) as steps:
-            while True:
-                with self._lock:
-                    step = next(steps, None)
-                    if step is not None:
-                        self.steps_run += 1
-                if step is None:
+        handle = self.batcher.submit(request.ids, request.config)
+        chunks = 0
+        try:
+            for chunk in handle:
+                if chunk.finish_reason == "cancelled":
                     break
-                tokens, guessed = step.tokens[0], step.guessed[0]
-                if step.step > 0 and tokens:
-                    update.steps = step.step
-                self._extend(update, tokens, guessed)
-                update.finish_reason = step.finish_reason[0]
+                if chunk.tokens:
+                    update.steps = chunks  # the first chunk is the prefill's token
+                    chunks += 1
+                self._extend(update, chunk.tokens, chunk.guessed)
+                update.finish_reason = chunk.finish_reason
                 update.wall_time_s = time.perf_counter() - start
                 yield update
+        finally:
+            handle.cancel()  # a no-op once the reply has finished
         update.finished = True
         yield update
 

@@ -6,15 +6,16 @@ Usage:
 
 Binds to 127.0.0.1 unless ``--host`` says otherwise; a public gradio link only with ``--share``.
 Importing this module loads nothing: ``main`` loads the model, ``build_demo(engine)`` returns the
-gradio Blocks (tests start it themselves). Requests are queued and served one at a time, so no two
-answers share the model at once; each browser session's Stop ends only its own answer. Besides the
+gradio Blocks (tests start it themselves). Answers of concurrent users decode together in one continuous
+batch (``--max_batch`` at once, each exactly as it would alone; more wait in the queue); each browser
+session's Stop ends only its own answer. Besides the
 chat, the app serves a named API endpoint, ``/generate`` (message, use_ppd, temperature,
 max_new_tokens -> text, stats), for ``gradio_client``. It takes what the UI's controls allow (temperature
 0..1.5, max_new_tokens 1..the context window) and checks each request when it arrives, before it waits
 for the model: an empty message, a prompt that leaves no room in the context window or a setting out of
 range is refused at once (HTTP 422 naming the parameter). A max_new_tokens beyond what the window has
 left after the prompt ends the answer where the window ends (finish_reason "max_length"). A client that
-goes away (or cancels) stops its answer at the next forward pass and frees the model for the next request.
+goes away (or cancels) stops its answer at the next forward pass and frees its row for the next request.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ GUESS_LABEL = "PPD guess"
 # Title of the chat notices, which are not part of the conversation the model sees.
 NOTICE = "⚠️ Not sent to the model: the conversation would not fit its context window"
 EMPTY_HINT = "Type a message first: empty messages are not sent."
-QUEUE = "model"  # every event that runs the model shares this queue, one at a time
+QUEUE = "model"  # every event that runs the model shares this queue, engine.max_batch at a time
 API_PARAMETERS = ("message", "use_ppd", "temperature", "max_new_tokens")  # /generate's, in order
 
 
@@ -48,6 +49,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=7860)
     parser.add_argument("--share", action="store_true", help="also open a public gradio.live link")
     parser.add_argument("--max_new_tokens", type=int, default=512, help="the slider's starting value")
+    parser.add_argument("--max_batch", type=int, default=8, help="answers decoded together (default: %(default)s)")
     return parser
 
 
@@ -168,7 +170,7 @@ def build_demo(engine: ChatEngine, max_new_tokens: int = 512, title: str | None 
 
         answer_inputs = [chatbot, use_ppd, show_guesses, temperature, limit]
         answer_outputs = [chatbot, stats, guesses, message]
-        run = dict(concurrency_limit=1, concurrency_id=QUEUE, api_visibility="private")
+        run = dict(concurrency_limit=engine.max_batch, concurrency_id=QUEUE, api_visibility="private")
         # Taking the message in waits for nobody (no model work); it is queued only so that its hint shows.
         take = dict(fn=add_message, inputs=[message, chatbot, stats], outputs=[message, chatbot, stats],
                     concurrency_limit=None, api_visibility="private")
@@ -183,7 +185,7 @@ def build_demo(engine: ChatEngine, max_new_tokens: int = 512, title: str | None 
                     api_visibility="private")
         show_guesses.change(lambda show: gr.update(visible=show), show_guesses, guesses, queue=False,
                             api_visibility="private")
-        generate = gr.api(api_generate, api_name="generate", concurrency_limit=1, concurrency_id=QUEUE)
+        generate = gr.api(api_generate, api_name="generate", concurrency_limit=engine.max_batch, concurrency_id=QUEUE)
         # gr.api has no validator argument (event listeners have); the registered function takes one as well.
         demo.fns[generate["id"]].validator = api_check
     return demo
@@ -196,8 +198,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--port must be within 1..65535, not {args.port}")
     if args.max_new_tokens < 1:
         parser.error("--max_new_tokens must be >= 1")
+    if args.max_batch < 1:
+        parser.error("--max_batch must be >= 1")
     try:
-        engine = ChatEngine(load_decoder(args), capture=args.capture)
+        engine = ChatEngine(load_decoder(args), capture=args.capture, max_batch=args.max_batch)
     except LOAD_ERRORS as error:  # a bad model, adapter, tree or quantisation request
         parser.error(str(error))
     if args.max_new_tokens > engine.context_window:
@@ -206,8 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     if engine.startup_s:
         print(f"decoding steps compiled and captured in {engine.startup_s:.1f} s "
               f"({len(engine.decoder.captures)} graphs, reused by every message)")
+    print(f"up to {engine.max_batch} answers decode together; more wait in the queue")
     print(f"serving on http://{args.host}:{args.port}" + (" and a public share link" if args.share else ""))
-    demo.queue(default_concurrency_limit=1).launch(server_name=args.host, server_port=args.port, share=args.share)
+    demo.queue(default_concurrency_limit=engine.max_batch).launch(server_name=args.host, server_port=args.port, share=args.share)
     return 0
 
 

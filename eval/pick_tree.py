@@ -152,7 +152,8 @@ def pick_policy(args, loaded, sets: dict[str, TreeSet]) -> int:
             rows.append({"tree": name, "batch_size": batch, "rows": timed["rows"], "expected_tokens": expected,
                          "latency_s": latency, "capture_s": timed["capture_s"],
                          "tokens_per_s": batch * expected / latency})
-            print(f"batch {batch:4d} | {name} | {timed['rows']} rows | {timed['step_ms']:.2f} ms", file=sys.stderr)
+            print(f"batch {batch:4d} | {name} | {timed['rows']} rows | {timed['step_ms']:.2f} ms | "
+                  f"capture {timed['capture_s']:.1f} s, warm-up {timed['warmup_s']:.1f} s", file=sys.stderr)
 
     with torch.no_grad():
         measure("baseline (1 row)", decoder, "baseline", 1.0)

@@ -102,7 +102,7 @@ class StepRunner:
             return
         # One compiled step serves every width (the length of ``slot_ids``), cache capacity and tree set (the
         # row, candidate and path counts of its tables): those sizes are symbolic from the first compilation.
-        torch._dynamo.mark_dynamic(slot_ids, 0)
+        torch._dynamo.maybe_mark_dynamic(slot_ids, 0)  # "maybe": a width equal to the capacity may specialise
         for buffer in state.kv.buffers():
             torch._dynamo.maybe_mark_dynamic(buffer, 2)
         if tables is not None:

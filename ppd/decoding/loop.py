@@ -117,7 +117,7 @@ def decode(decoder: "Decoder", batch: list[list[int]], config: DecodeConfig) -> 
     try:
         with torch.no_grad():
             state.reset(n, limits, limit_reasons, sorted(decoder.eos_token_ids) if config.stop_on_eos else [],
-                        config.seed if config.seed is not None else 0, max(config.temperature, 1e-6), config.top_p,
+                        config.seed if config.seed is not None else 0, config.temperature, config.top_p,
                         config.posterior_threshold, config.posterior_alpha)
             prefill(decoder, batch, state, use_ppd, config.greedy, config.top_p < 1.0)
             report = state.report[:n].tolist()

@@ -75,6 +75,7 @@ class ContinuousBatcher:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._admitting = 0  # requests taken from the queue whose prefill has not reported yet
         self.steps_run = 0  # forward passes of every lane so far, prefills included
         self.error: BaseException | None = None
 
@@ -105,6 +106,8 @@ class ContinuousBatcher:
         :meth:`start` or while nothing runs. Returns the seconds it took (nothing to do on a CPU)."""
         if self.mode is CaptureMode.EAGER:
             return 0.0
+        if self.running or self.waiting:
+            raise RuntimeError("warm the batcher up before it serves requests")
         start = time.perf_counter()
         methods = methods or (("ppd", "baseline") if self.decoder.tables is not None else ("baseline",))
         for method in methods:
@@ -125,8 +128,14 @@ class ContinuousBatcher:
     # ------------------------------------------------------------------ requests
     @property
     def running(self) -> int:
-        """Requests decoding now (admitted, not yet finished)."""
-        return sum(not row.done for lane in list(self._lanes.values()) for row in list(lane.rows))
+        """Requests decoding now (taken from the queue, not yet finished)."""
+        return self._admitting + sum(not row.done for lane in list(self._lanes.values()) for row in list(lane.rows))
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of every lane's KV cache allocated so far (each holds ``max_batch`` rows of the decoder's
+        whole ``capacity``)."""
+        return sum(b.numel() * b.element_size() for lane in self._lanes.values() for b in lane.state.kv.buffers())
 
     @property
     def waiting(self) -> int:
@@ -174,10 +183,12 @@ class ContinuousBatcher:
                     if self._closed:
                         break
                     joining = self._take_joining()
+                    self._admitting = sum(len(p) for p in joining.values())
                 for lane in list(self._lanes.values()):
                     lane.drop_cancelled()
                 for method, pending in joining.items():
                     self._lanes[method].admit(pending)
+                    self._admitting -= len(pending)
                 for lane in list(self._lanes.values()):
                     if lane.rows:
                         lane.step()
@@ -187,7 +198,11 @@ class ContinuousBatcher:
             with self._cond:
                 self._closed = True
         finally:
-            closed = self.error or EngineClosedError("the batcher was closed")
+            closed = EngineClosedError("the batcher was closed")
+            if self.error is not None:
+                closed = EngineClosedError(f"the batcher stopped: {self.error!r}")
+                closed.__cause__ = self.error
+            self._admitting = 0
             with self._cond:
                 for pending in self._waiting:
                     pending.stream._finish("cancelled", error=closed)
