@@ -172,6 +172,7 @@ class ChatEngine:
                 yield update
         finally:
             handle.cancel()  # a no-op once the reply has finished
+            handle.wait(timeout=60)  # the batch drops it at the end of the step in flight: nothing runs after this
         update.finished = True
         yield update
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import closing
 
@@ -53,11 +54,11 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def stats_markdown(update: ReplyUpdate | None) -> str:
+def stats_markdown(update: ReplyUpdate | None, stopped: bool = False) -> str:
     if update is None:
         return "Send a message to see the decoding speed."
     label = "PPD" if update.method == "ppd" else "baseline (one token per forward pass)"
-    state = "done" if update.finished else "generating"
+    state = "stopped" if stopped else "done" if update.finished else "generating"
     return (f"**{label}** · {state} · {update.new_tokens} tokens in {update.steps} forward passes · "
             f"accept length **{update.accept_length:.2f}** tokens per pass · **{update.tokens_per_s:.1f}** tokens/s")
 
@@ -85,20 +86,30 @@ def build_demo(engine: ChatEngine, max_new_tokens: int = 512, title: str | None 
             return message, history, EMPTY_HINT
         return "", history + [{"role": "user", "content": message}], shown
 
-    def respond(history: list[dict], use_ppd: bool, show_guesses: bool, temperature: float, limit: int):
+    # When each session last pressed Stop. An answer started before that ends at its next forward pass and
+    # says so itself: a Stop that only cancelled the event could be overwritten by an update in flight.
+    stops: dict[str, float] = {}
+
+    def respond(history: list[dict], use_ppd: bool, show_guesses: bool, temperature: float, limit: int,
+                request=None):
+        started = time.monotonic()
+        session = getattr(request, "session_hash", None)
         conversation = [m for m in history if not is_notice(m)]
         if not conversation or conversation[-1]["role"] != "user":
             return  # nothing new to answer (an empty message was ignored)
         shown = history + [{"role": "assistant", "content": ""}]
         try:
-            # gradio closes this generator when the browser goes away or Stop is pressed: closing the
+            # gradio closes this generator when the browser goes away or Clear is pressed: closing the
             # engine's stream with it ends the decoding there.
             with closing(engine.stream(conversation, use_ppd=use_ppd, temperature=temperature,
                                        max_new_tokens=limit)) as updates:
                 for update in updates:
                     shown[-1] = {"role": "assistant", "content": update.text}
-                    yield (shown, stats_markdown(update),
+                    stopped = stops.get(session, 0.0) > started
+                    yield (shown, stats_markdown(update, stopped=stopped),
                            gr.update(value=highlighted(update), visible=show_guesses), gr.update())
+                    if stopped:
+                        return  # closing the engine's stream frees the answer's row
         except PromptTooLongError as error:
             # The message leaves the conversation (and goes back into the box); a notice says why.
             notice = {"role": "assistant", "metadata": {"title": NOTICE, "status": "done"},
@@ -178,8 +189,13 @@ def build_demo(engine: ChatEngine, max_new_tokens: int = 512, title: str | None 
         clicked = send.click(**take).then(respond, answer_inputs, answer_outputs, **run)
         regenerated = regenerate.click(regenerate_prepare, chatbot, [chatbot, stats], queue=False,
                                        api_visibility="private").then(respond, answer_inputs, answer_outputs, **run)
-        stop.click(lambda text: text.replace("· generating ·", "· stopped ·"), stats, stats,
-                   cancels=[submitted, clicked, regenerated], queue=False, api_visibility="private")
+        def stop_answer(text: str, request=None) -> str:
+            stops[getattr(request, "session_hash", None)] = time.monotonic()
+            return text.replace("· generating ·", "· stopped ·")
+
+        for fn in (respond, stop_answer):  # gradio passes the request to a parameter annotated so
+            fn.__annotations__["request"] = gr.Request
+        stop.click(stop_answer, stats, stats, queue=False, api_visibility="private")
         clear.click(lambda: ([], stats_markdown(None), gr.update(value=[], visible=False)), None,
                     [chatbot, stats, guesses], cancels=[submitted, clicked, regenerated], queue=False,
                     api_visibility="private")

@@ -4,7 +4,7 @@ over that row's own root-to-node path (and its attached prompt tokens) gives."""
 import pytest
 import torch
 
-from ppd import DecodeConfig, Decoder
+from ppd import Decoder
 from ppd.attention import prefill_layout, to_additive
 from ppd.decoding.loop import prefill
 from ppd.decoding.step import generate_candidates, tree_decoding
@@ -32,7 +32,7 @@ def tree_step_rows(decoder, prompt: list[int], width: int | None = None):
     with torch.no_grad():
         for key in range(1, tables.num_prompt_tokens + 1):
             state.reset(1, [64], [2], [], 0, 1.0, 1.0, 0.0, 0.0)
-            prefill(decoder, [prompt], state, True, DecodeConfig())
+            prefill(decoder, [prompt], state, True, greedy=True, top_p=False)
             state.key.fill_(key)
             rows = generate_candidates(decoder.lm, tables, decoder.prompt_embeds(), state)
             slots = state.slot_ids[: width or state.capacity]

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
+from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
 
@@ -46,8 +46,9 @@ class RecordingEngine(ChatEngine):
     def stream(self, *args, **kwargs):
         start, update = time.perf_counter(), None
         try:
-            for update in super().stream(*args, **kwargs):
-                yield update
+            with closing(super().stream(*args, **kwargs)) as updates:  # closing this closes the engine's stream
+                for update in updates:
+                    yield update
         finally:
             self.spans.append((start, time.perf_counter()))
             self.replies.append(update)

@@ -106,6 +106,10 @@ class Stream:
         if self.error is not None:
             raise self.error
 
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the request has ended (finished, or dropped after :meth:`cancel`); False on timeout."""
+        return self._done.wait(timeout)
+
     def result(self, timeout: float | None = None) -> Completion:
         """Block until the request ends; its completion (raises what ended it abnormally)."""
         if not self._done.wait(timeout):
