@@ -26,6 +26,7 @@ import torch
 
 from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_decoder_or_exit
 from ppd.config import DecodeConfig
+from ppd.decoding.graphs import captures_graphs, resolve_mode
 from ppd.decoding.loop import batch_bucket
 from ppd.tree import TreeSet
 
@@ -58,7 +59,7 @@ def run(args: argparse.Namespace) -> dict:
     loaded = load_decoder_or_exit(args)
     decoder = loaded.decoder
     device = decoder.device
-    exact = args.capture in ("eager", "compile") or device.type != "cuda" and args.capture == "auto"
+    exact = not captures_graphs(resolve_mode(args.capture, device))
     variants = {"baseline": (decoder, "baseline"), "ppd": (decoder, "ppd")}
     for name in args.trees:
         variants[f"ppd:{Path(name).name}"] = (decoder.with_trees(TreeSet.load(name)), "ppd")

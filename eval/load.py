@@ -78,6 +78,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
+
 from .benchmarks import load_benchmark
 from .records import environment, write_json
 
@@ -126,15 +128,8 @@ def make_parser() -> argparse.ArgumentParser:
 
 # ---------------------------------------------------------------------------------------------- metrics
 def percentile(values: Sequence[float], q: float) -> float | None:
-    """The ``q``-th percentile (0-100) with linear interpolation between closest ranks (numpy's default);
-    None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100.0
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+    """The ``q``-th percentile (0-100), numpy's linear interpolation between closest ranks; None for no values."""
+    return float(np.percentile(values, q)) if len(values) else None
 
 
 def mean(values: Sequence[float]) -> float | None:

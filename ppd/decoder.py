@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import CaptureMode, DecodeConfig
-from .decoding.graphs import Capture, StepRunner, resolve_mode
+from .decoding.graphs import Capture, StepRunner, captures_graphs, resolve_mode
 from .decoding.loop import PromptTooLongError, batch_bucket, capture_widths, decode
 from .decoding.state import DecodeState, StatePool
 from .decoding.step import LanguageModel, StepKind
@@ -115,8 +115,7 @@ class Decoder:
             raise ValueError(f"at most {MAX_EOS_IDS} EOS ids are supported, got {len(self.eos_token_ids)}")
         self.tables: TreeTables | None = None
         self.policy = policy if prompt_tokens is not None else None
-        self._bucket_tables: list[tuple[int, TreeTables | None]] = []
-        self._all_tables: list[TreeTables] = []
+        self._tables_of: dict[int, TreeTables] = {}  # each tree set's tables, by the set's id
         if prompt_tokens is not None:
             prompt_tokens.check_compatible(model)
             prompt_tokens.to(self.device)
@@ -135,19 +134,11 @@ class Decoder:
                                      f"model's vocabulary of {vocab}")
             # One state serves every tree set of the decoder: they keep the same number of guesses.
             top_k = max(t.top_k for t in sets)
-            attention = prompt_tokens.config.attention_type
-            built: dict[int, TreeTables] = {}
-
-            def tables_of(tree_set: TreeSet) -> TreeTables:
-                if id(tree_set) not in built:
-                    built[id(tree_set)] = TreeTables.build(tree_set, v, attention, self.device, top_k=top_k)
-                return built[id(tree_set)]
-
-            self.tables = tables_of(trees)
-            if policy is not None:
-                self._bucket_tables = [(bucket, None if t is None else tables_of(t))
-                                       for bucket, t in zip(policy.buckets, policy.trees)]
-            self._all_tables = list(built.values())
+            for tree_set in sets:
+                if id(tree_set) not in self._tables_of:
+                    self._tables_of[id(tree_set)] = TreeTables.build(
+                        tree_set, v, prompt_tokens.config.attention_type, self.device, top_k=top_k)
+            self.tables = self._tables_of[id(trees)]
         self.trees = trees
         if max_seq_len is not None and max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
@@ -184,17 +175,15 @@ class Decoder:
 
     def tables_for(self, batch_size: int) -> TreeTables | None:
         """The tree tables PPD verifies a batch of ``batch_size`` rows with (``None``: the one-row step)."""
-        if self.tables is None or not self._bucket_tables:
+        if self.policy is None:
             return self.tables
-        for bucket, tables in self._bucket_tables:
-            if batch_size <= bucket:
-                return tables
-        return self._bucket_tables[-1][1]
+        trees = self.policy.for_batch(batch_size)
+        return None if trees is None else self._tables_of[id(trees)]
 
     def _new_state(self, batch_size: int) -> DecodeState:
         t = self.tables
         n_prompt = t.num_prompt_tokens if t else 0
-        widest = max((x.num_rows for x in self._all_tables), default=1) if t else 1
+        widest = max((x.num_rows for x in self._tables_of.values()), default=1)
         rows = max(widest, n_prompt * (t.num_ensemble if t else 1) + 1)
         # Room past the longest committed prefix for one step's rows (or the prefill's prompt rows).
         # A step emits at most N + 1 tokens (a path is at most N deep), whatever the tree set.
@@ -243,7 +232,7 @@ class Decoder:
         use_ppd = "ppd" in methods and self.tables is not None
         method = "ppd" if use_ppd else "baseline"
         for size in batch_sizes:
-            bucket = batch_bucket(size, exact=mode is CaptureMode.COMPILE)
+            bucket = batch_bucket(size, exact=not captures_graphs(mode))
             tables = self.tables_for(bucket) if use_ppd else None
             # PPD runs the one-row step where the batch policy names no tree.
             kinds = ([True] if tables is not None else []) + (

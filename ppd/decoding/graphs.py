@@ -49,6 +49,12 @@ def resolve_mode(mode: CaptureMode | str, device: torch.device) -> CaptureMode:
     return mode
 
 
+def captures_graphs(mode: CaptureMode) -> bool:
+    """Whether ``mode`` replays captured graphs, so that batches and attention widths are padded to the few
+    sizes captured (eager and compiled steps run at the exact sizes)."""
+    return mode not in (CaptureMode.EAGER, CaptureMode.COMPILE)
+
+
 def _compile_limits():
     """Room for one compiled step per batch bucket and step kind (torch's default stops at 8 variants)."""
     config = torch._dynamo.config

@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..acceptance import sample_tokens
-from ..config import CaptureMode, DecodeConfig, DecodeMethod
+from ..config import DecodeConfig, DecodeMethod
 from ..prefill import average_copies, build_prefill
-from .graphs import resolve_mode
+from .graphs import StepRunner, captures_graphs, resolve_mode
 from .state import LENGTH, MAX_LENGTH, REASONS, REPORT_HEAD, DecodeState
 from .step import StepKind, start_rows
+from .tables import TreeTables
 
 if TYPE_CHECKING:
     from ..decoder import Decoder
@@ -99,27 +100,21 @@ def decode(decoder: "Decoder", batch: list[list[int]], config: DecodeConfig) -> 
     if use_ppd and decoder.prompt_tokens is None:
         raise ValueError("method 'ppd' needs prompt tokens (an adapter); use method 'baseline' without one")
     mode = resolve_mode(config.capture, decoder.device)
-    exact = mode in (CaptureMode.EAGER, CaptureMode.COMPILE)
+    exact = not captures_graphs(mode)
     runner = decoder.runner(mode)
     n = len(batch)
     lengths = [len(x) for x in batch]
-    capacity = decoder.capacity
     decoder.check_prompt_fits(max(lengths))
-    limits = [min(config.max_new_tokens, capacity - length) for length in lengths]
-    limit_reasons = [LENGTH if config.max_new_tokens <= capacity - length else MAX_LENGTH for length in lengths]
     bucket = batch_bucket(n, exact)
     # The batch policy's tree for this bucket; none where the one-row step is faster at this batch size.
     tables = decoder.tables_for(bucket) if use_ppd else None
-    prompt_embeds = decoder.prompt_embeds(tables) if tables is not None else None
     top_p = config.top_p < 1.0
 
     state = decoder.states.acquire(bucket)
     try:
         with torch.no_grad():
-            state.reset(n, limits, limit_reasons, sorted(decoder.eos_token_ids) if config.stop_on_eos else [],
-                        config.seed if config.seed is not None else 0, config.temperature, config.top_p,
-                        config.posterior_threshold, config.posterior_alpha)
-            prefill(decoder, batch, state, use_ppd, config.greedy, config.top_p < 1.0)
+            reset_rows(decoder, state, lengths, config)
+            prefill(decoder, batch, state, use_ppd, config.greedy, top_p)
             report = state.report[:n].tolist()
         progress = Progress([[] for _ in batch], [0] * n, [[] for _ in batch], [None] * n)
         progress.record(report, count_step=False)
@@ -128,14 +123,7 @@ def decode(decoder: "Decoder", batch: list[list[int]], config: DecodeConfig) -> 
         host_lengths = [line[3] for line in report]
         step = 0
         while not all(progress.finished()):
-            # Near the end of the context window the tree's positions would not fit: one row a step.
-            tree = tables is not None and max(host_lengths) + tables.max_offset < decoder.max_positions
-            rows = tables.num_rows if tree else 1
-            width = attention_width(max(host_lengths) + rows, state.capacity, exact)
-            kind = StepKind(tree=tree, greedy=config.greedy, top_p=top_p)
-            with torch.no_grad():
-                runner.run(tables if tree else None, prompt_embeds if tree else None, state, kind, width)
-                report = state.report[:n].tolist()  # the one host synchronisation of the step
+            report = run_step(decoder, runner, state, tables, max(host_lengths), n, config.greedy, top_p, exact)
             step += 1
             progress.current_step = step
             progress.record(report, count_step=True)
@@ -143,6 +131,34 @@ def decode(decoder: "Decoder", batch: list[list[int]], config: DecodeConfig) -> 
             yield progress
     finally:
         decoder.states.release(state)
+
+
+def reset_rows(decoder: "Decoder", state: DecodeState, lengths: list[int], config: DecodeConfig) -> None:
+    """Prepare the state's first rows for prompts of ``lengths`` decoded as ``config`` says (the rest are
+    padding): each row's token limit (``max_new_tokens``, or what the cache leaves, which ends the row with
+    ``max_length``), its EOS ids, seed and sampling settings."""
+    capacity = decoder.capacity
+    limits = [min(config.max_new_tokens, capacity - length) for length in lengths]
+    reasons = [LENGTH if config.max_new_tokens <= capacity - length else MAX_LENGTH for length in lengths]
+    state.reset(len(lengths), limits, reasons, sorted(decoder.eos_token_ids) if config.stop_on_eos else [],
+                config.seed if config.seed is not None else 0, config.temperature, config.top_p,
+                config.posterior_threshold, config.posterior_alpha)
+
+
+def run_step(decoder: "Decoder", runner: StepRunner, state: DecodeState, tables: TreeTables | None, longest: int,
+             rows_read: int, greedy: bool, top_p: bool, exact: bool) -> list[list[int]]:
+    """One step of every row of ``state`` (verifying ``tables``' trees, or one row each where ``tables`` is
+    None), whose longest row has ``longest`` committed tokens; returns the report of the first ``rows_read``
+    rows, the step's one host synchronisation. ``greedy``: every row is greedy; ``top_p``: some row samples
+    with a top-p filter."""
+    # Near the end of the context window the tree's positions would not fit: one row a step.
+    tree = tables is not None and longest + tables.max_offset < decoder.max_positions
+    rows = tables.num_rows if tree else 1
+    width = attention_width(longest + rows, state.capacity, exact)
+    kind = StepKind(tree=tree, greedy=greedy, top_p=top_p and not greedy)
+    with torch.no_grad():
+        runner.run(tables if tree else None, decoder.prompt_embeds(tables) if tree else None, state, kind, width)
+        return state.report[:rows_read].tolist()
 
 
 def prefill(decoder: "Decoder", batch: list[list[int]], state: DecodeState, use_ppd: bool, greedy: bool,

@@ -66,20 +66,19 @@ class DecodeState:
         # Slot numbers 0..capacity-1; a step attends over a prefix of them (its width).
         self.slot_ids = torch.arange(capacity, device=device)
 
+    # Every per-row buffer except the KV cache.
+    ROW_BUFFERS = ("lengths", "root", "guesses", "key", "generated", "limit", "reason", "limit_reason", "eos",
+                   "report", "seed", "draws", "temperature", "top_p", "posterior_threshold", "posterior_alpha",
+                   "greedy")
+
     def row_tensors(self) -> list[torch.Tensor]:
-        """Every per-row buffer except the KV cache."""
-        return [self.lengths, self.root, self.guesses, self.key, self.generated, self.limit, self.reason,
-                self.limit_reason, self.eos, self.report, self.seed, self.draws, self.temperature, self.top_p,
-                self.posterior_threshold, self.posterior_alpha, self.greedy]
+        return [getattr(self, name) for name in self.ROW_BUFFERS]
 
     def rows(self, start: int, stop: int) -> "DecodeState":
         """A state of rows ``[start, stop)`` that shares this one's buffers (writes go through)."""
-        names = ["lengths", "root", "guesses", "key", "generated", "limit", "reason", "limit_reason", "eos",
-                 "report", "seed", "draws", "temperature", "top_p", "posterior_threshold", "posterior_alpha",
-                 "greedy"]
         view = object.__new__(DecodeState)
         view.__dict__.update(self.__dict__)
-        for name in names:
+        for name in self.ROW_BUFFERS:
             setattr(view, name, getattr(self, name)[start:stop])
         view.batch_size = stop - start
         view.kv = self.kv.rows(start, stop)

@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..config import CaptureMode, DecodeConfig, DecodeMethod
-from ..decoding.graphs import resolve_mode
-from ..decoding.loop import attention_width, batch_bucket, capture_widths, prefill
-from ..decoding.state import LENGTH, MAX_LENGTH, REASONS, REPORT_HEAD, RUNNING, DecodeState
+from ..decoding.graphs import captures_graphs, resolve_mode
+from ..decoding.loop import batch_bucket, capture_widths, prefill, reset_rows, run_step
+from ..decoding.state import REASONS, REPORT_HEAD, RUNNING, DecodeState
 from ..decoding.step import StepKind
 from .stream import EngineClosedError, QueueFullError, Stream
 
@@ -67,7 +67,7 @@ class ContinuousBatcher:
         self.decoder = decoder
         self.config = config or BatcherConfig()
         self.mode = resolve_mode(self.config.capture, decoder.device)
-        self._exact = self.mode in (CaptureMode.EAGER, CaptureMode.COMPILE)
+        self._exact = not captures_graphs(self.mode)
         self._runner = decoder.runner(self.mode)
         self._lanes: dict[DecodeMethod, _Lane] = {}
         self._waiting: collections.deque[_Pending] = collections.deque()
@@ -260,15 +260,14 @@ class _Lane:
         decoder = self.batcher.decoder
         self.use_ppd = self.method is DecodeMethod.PPD
         self.state: DecodeState = decoder._new_state(self.batcher._bucket(self.batcher.config.max_batch))
-        self.state.reset(0, [], [], [], 0, 0.0, 1.0, 0.09, 0.3)  # every row starts as finished padding
-        self._views: dict[tuple[int, int], DecodeState] = {}
+        reset_rows(decoder, self.state, [], DecodeConfig())  # every row starts as finished padding
+        self._views: dict[int, DecodeState] = {}
 
-    def view(self, bucket: int, start: int = 0) -> DecodeState:
-        """Rows ``[start, start + bucket)`` of the state; the same object each time (graphs are keyed by it)."""
-        key = (start, bucket)
-        if key not in self._views:
-            self._views[key] = self.state.rows(start, start + bucket)
-        return self._views[key]
+    def view(self, bucket: int) -> DecodeState:
+        """The state's first ``bucket`` rows; the same object each time (graphs are keyed by it)."""
+        if bucket not in self._views:
+            self._views[bucket] = self.state.rows(0, bucket)
+        return self._views[bucket]
 
     def tables(self, bucket: int):
         return self.batcher.decoder.tables_for(bucket) if self.use_ppd else None
@@ -280,7 +279,7 @@ class _Lane:
         """Allocate the cache with a one-token prefill into row 0, left as padding."""
         with torch.no_grad():
             view = self.view(1)
-            view.reset(1, [1], [LENGTH], [], 0, 0.0, 1.0, 0.09, 0.3)
+            reset_rows(self.batcher.decoder, view, [1], DecodeConfig(max_new_tokens=1, stop_on_eos=False))
             prefill(self.batcher.decoder, [[0]], view, self.use_ppd, True, False)
             self.state.vacate(0)
 
@@ -288,18 +287,10 @@ class _Lane:
         """Prefill the joining requests, together, into the rows after the running ones."""
         decoder = self.batcher.decoder
         start = len(self.rows)
-        capacity = decoder.capacity
         with torch.no_grad():
             for i, pending in enumerate(joining):
-                c = pending.config
-                length = len(pending.ids)
-                limit = min(c.max_new_tokens, capacity - length)
-                reason = LENGTH if c.max_new_tokens <= capacity - length else MAX_LENGTH
-                eos = sorted(decoder.eos_token_ids) if c.stop_on_eos else []
                 # Reset alone, as a request of one row: its seed (and so its samples) are those it has alone.
-                self.state.rows(start + i, start + i + 1).reset(
-                    1, [limit], [reason], eos, c.seed if c.seed is not None else 0, max(c.temperature, 0.0),
-                    c.top_p, c.posterior_threshold, c.posterior_alpha)
+                reset_rows(decoder, self.state.rows(start + i, start + i + 1), [len(pending.ids)], pending.config)
                 pending.stream._started_now()
             view = self.state.rows(start, start + len(joining))
             greedy = all(p.config.greedy for p in joining)
@@ -315,22 +306,12 @@ class _Lane:
 
     def step(self) -> None:
         """One step of every running row over the smallest bucket that holds them."""
-        batcher, decoder = self.batcher, self.batcher.decoder
+        batcher = self.batcher
         n = len(self.rows)
         bucket = batcher._bucket(n)
-        view = self.view(bucket)
-        tables = self.tables(bucket)
-        longest = max(row.length for row in self.rows)
-        tree = tables is not None and longest + tables.max_offset < decoder.max_positions
-        rows = tables.num_rows if tree else 1
-        width = attention_width(longest + rows, view.capacity, batcher._exact)
-        greedy = all(row.greedy for row in self.rows)
-        top_p = any(row.top_p for row in self.rows)
-        kind = StepKind(tree=tree, greedy=greedy, top_p=top_p and not greedy)
-        with torch.no_grad():
-            batcher._runner.run(tables if tree else None, self.prompt_embeds(tables) if tree else None, view, kind,
-                                width)
-            report = view.report[:n].tolist()  # the one host synchronisation of the step
+        report = run_step(batcher.decoder, batcher._runner, self.view(bucket), self.tables(bucket),
+                          max(row.length for row in self.rows), n, all(row.greedy for row in self.rows),
+                          any(row.top_p for row in self.rows), batcher._exact)
         batcher.steps_run += 1
         for row, line in zip(self.rows, report):
             self._deliver(row, line, counts_as_step=True)
