@@ -75,6 +75,7 @@ class _SamplingRequest(_Strict):
     max_tokens: int | None = Field(default=None, ge=1)  # None: what the context window leaves after the prompt
     temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)  # OpenAI's default
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = Field(default=0, ge=0)  # as vLLM's: 0 (or -1 there) keeps every token
     seed: int | None = None  # None: a fresh seed per request, as OpenAI samples
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -82,6 +83,7 @@ class _SamplingRequest(_Strict):
     n: int = 1
     user: str | None = None  # accepted and ignored
     method: Literal["ppd", "baseline"] | None = None  # ppd's extension; None: the server's --method
+    acceptance: Literal["lossless", "typical"] = "lossless"  # ppd's extension: how sampled guesses are verified
 
     @field_validator("n")
     @classmethod

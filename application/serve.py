@@ -9,9 +9,13 @@ Endpoints: ``POST /v1/chat/completions`` (messages in the model's chat template)
 (a plain-text prompt), ``GET /v1/models`` and ``GET /health``. Both completion endpoints stream as
 server-sent events with ``"stream": true`` (``stream_options.include_usage`` adds OpenAI's last chunk with
 the usage). Sampling follows OpenAI's defaults (temperature 1); ``"temperature": 0`` decodes greedily,
-and a greedy answer is the same, token for token, whether it runs alone or among others. ppd adds a
-request field ``method`` (``"ppd"`` or ``"baseline"``, default ``--method``) and, in every response (the
-last streamed chunk for a stream), ``"ppd": {"method", "accept_length", "steps"}``.
+and a greedy answer is the same, token for token, whether it runs alone or among others. Sampled answers
+are exact samples from the model (lossless verification), and with a ``seed`` the same text whether ppd
+or the baseline decodes it, alone or among others. Besides OpenAI's fields, a request may give ``top_k``
+(as vLLM's; 0 keeps every token) and ppd's ``method`` (``"ppd"`` or ``"baseline"``, default ``--method``)
+and ``acceptance`` (``"lossless"``, or ``"typical"``: Medusa's typical acceptance, which does not keep the
+model's distribution). Every response (the last streamed chunk for a stream) carries
+``"ppd": {"method", "accept_length", "steps"}``.
 
 Binds to 127.0.0.1 unless ``--host`` says otherwise. With ``--api_key`` (or ``$PPD_API_KEY``) every ``/v1``
 request needs ``Authorization: Bearer <key>``. Refusals use OpenAI's error body: 400 for a body that is
@@ -204,7 +208,8 @@ class Service:
         seed = body.seed if body.seed is not None else secrets.randbits(31)
         try:
             config = DecodeConfig(method=method, max_new_tokens=asked or window - prompt,
-                                  temperature=body.temperature, top_p=body.top_p, seed=seed)
+                                  temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                                  acceptance=body.acceptance, seed=seed)
         except ValueError as error:
             raise APIError(400, str(error)) from None
         return Job(kind, ids, config, body.stop_strings(), body.stream, body.include_usage, body.continuous_usage)

@@ -2,13 +2,15 @@
 
 Usage:
     python -m eval.gen_answers --bench mt_bench --method ppd --model smollm2-135m-instruct \\
-        [--adapter DIR] [--tree FILE] [--temperature 0] [--max_new_tokens N] [--offset S] [--limit K] \\
-        [--num_runs R] --output results/answers/mt_bench-ppd.jsonl
+        [--adapter DIR] [--tree FILE] [--temperature 0] [--top_p P] [--top_k K] [--acceptance lossless|typical] \\
+        [--max_new_tokens N] [--offset S] [--limit K] [--num_runs R] --output results/answers/mt_bench-ppd.jsonl
 
 Methods: ``ppd`` (prompt tokens + tree), ``baseline`` (the same engine, one token per step),
 ``hf_static`` (transformers ``generate`` with ``cache_implementation="static"``, which compiles the
 decoding forward), ``hf`` (transformers ``generate``, eager) and ``pld`` (transformers prompt lookup,
 ``prompt_lookup_num_tokens``). MT-Bench runs both turns, the second after the model's own first answer.
+With ``--temperature`` above 0 every method samples (top-p and top-k as given); ppd verifies its guesses
+losslessly unless ``--acceptance typical`` asks for typical acceptance.
 
 Nothing compiles or captures inside the timed region: ``ppd`` and ``baseline`` compile and capture their
 steps for every attention width first (``Decoder.warmup``; the seconds are recorded as ``startup_s``),
@@ -33,7 +35,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ppd.chat import chat_input_ids, plain_input_ids
-from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_decoder_or_exit
+from ppd.cli import Loaded, add_adapter_args, add_engine_args, add_model_args, load_decoder_or_exit
 from ppd.config import DecodeConfig
 from ppd.decoder import eos_ids_of
 
@@ -52,6 +54,10 @@ def make_parser() -> argparse.ArgumentParser:
     add_adapter_args(parser)
     add_engine_args(parser)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top_p", type=float, default=1.0, help="nucleus mass when sampling")
+    parser.add_argument("--top_k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    parser.add_argument("--acceptance", choices=["lossless", "typical"], default="lossless",
+                        help="ppd, temperature > 0: lossless verification (exact samples) or typical acceptance")
     parser.add_argument("--max_new_tokens", type=int, default=None, help="default: 1024 (512 for humaneval)")
     parser.add_argument("--offset", type=int, default=0, help="skip the first S questions (for shards)")
     parser.add_argument("--limit", type=int, default=None, help="K questions only (the first K after --offset)")
@@ -75,11 +81,14 @@ class ForwardCounter:
 
 
 class Answerer:
-    def __init__(self, args: argparse.Namespace):
+    def __init__(self, args: argparse.Namespace, loaded: Loaded | None = None):
+        """``loaded``: a model and decoder already loaded as ``args`` say (one process answering with several
+        methods or settings keeps one decoder, and its compiled steps); default: load them."""
         self.args = args
-        loaded = load_decoder_or_exit(args, with_prompt_tokens=args.method == "ppd")
+        loaded = loaded or load_decoder_or_exit(args, with_prompt_tokens=args.method == "ppd")
         self.model, self.tokenizer, self.decoder = loaded.model, loaded.tokenizer, loaded.decoder
-        self.adapter, self.tree = loaded.adapter, loaded.tree
+        # Only ppd reads prompt tokens and a tree: the other methods' answers name none.
+        self.adapter, self.tree = (loaded.adapter, loaded.tree) if args.method == "ppd" else ("none", "none")
         self.dtype = str(self.model.dtype).removeprefix("torch.")
         self.device = self.model.get_input_embeddings().weight.device
         self.eos = sorted(eos_ids_of(self.model, self.tokenizer))
@@ -96,15 +105,17 @@ class Answerer:
         if self.args.method in ENGINE_METHODS:
             start = time.perf_counter()
             self.decoder.warmup(methods=[self.args.method], capture=self.args.capture,
-                                greedy=self.args.temperature == 0)
+                                sampling=self.config(1))
             self.startup_s = time.perf_counter() - start
+
+    def config(self, max_new_tokens: int) -> DecodeConfig:
+        """The engine's settings for one answer."""
+        return sampling_config(self.args, max_new_tokens, method=self.args.method, capture=self.args.capture)
 
     def answer(self, ids: list[int], max_new_tokens: int) -> dict:
         args = self.args
         if args.method in ENGINE_METHODS:
-            config = DecodeConfig(method=args.method, max_new_tokens=max_new_tokens, temperature=args.temperature,
-                                  seed=args.seed, capture=args.capture)
-            out = self.decoder.generate(ids, config)
+            out = self.decoder.generate(ids, self.config(max_new_tokens))
             return {"token_ids": out.token_ids, "steps": out.steps, "wall_time_s": out.wall_time_s,
                     "finish_reason": out.finish_reason}
         inputs = torch.tensor([ids], device=self.device)
@@ -112,7 +123,7 @@ class Answerer:
                   "pad_token_id": self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0}
         if args.temperature > 0:
             torch.manual_seed(args.seed)
-            kwargs.update(do_sample=True, temperature=args.temperature)
+            kwargs.update(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k or None)
         else:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         if args.method == "pld":
@@ -131,6 +142,23 @@ class Answerer:
         # The first forward is the prefill; every later one is a decoding step.
         return {"token_ids": tokens, "steps": max(1, self.counter.count - 1), "wall_time_s": wall,
                 "finish_reason": finish, "compiled_graphs": _compiled_graphs() - graphs}
+
+
+def sampling_config(args: argparse.Namespace, max_new_tokens: int, **fields) -> DecodeConfig:
+    """The decoding settings of ``args`` (temperature, filters, acceptance, seed); raises ValueError."""
+    return DecodeConfig(max_new_tokens=max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                        top_k=args.top_k, acceptance=args.acceptance, seed=args.seed, **fields)
+
+
+def sampling_fields(args: argparse.Namespace) -> dict:
+    """The sampling settings a record keeps: none when greedy (they change nothing there), and the acceptance
+    rule only for ppd."""
+    if args.temperature == 0:
+        return {}
+    fields = {"top_p": args.top_p, "top_k": args.top_k}
+    if args.method == "ppd":
+        fields["acceptance"] = args.acceptance
+    return fields
 
 
 def turn_messages(turns: list[str], answers: list[str]) -> list[dict]:
@@ -186,14 +214,16 @@ def _other_settings(path: Path, records, wanted: dict) -> str | None:
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, loaded: Loaded | None = None) -> int:
+    """Answer as ``argv`` says; ``loaded``: a model and decoder already loaded as those flags ask (see
+    :class:`Answerer`)."""
     parser = make_parser()
     args = parser.parse_args(argv)
     if args.num_runs < 1 or args.warmup < 0 or args.offset < 0 or (args.limit is not None and args.limit < 1):
         parser.error("--num_runs and --limit must be >= 1, --warmup and --offset >= 0")
     max_new_tokens = args.max_new_tokens or DEFAULT_MAX_NEW_TOKENS[args.bench]
     try:  # the decoding settings every method shares, checked before anything loads
-        DecodeConfig(max_new_tokens=max_new_tokens, temperature=args.temperature)
+        sampling_config(args, max_new_tokens)
     except ValueError as error:
         parser.error(str(error))
     questions = load_benchmark(args.bench)
@@ -205,11 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     output.parent.mkdir(parents=True, exist_ok=True)
     done = _done(output)
     wanted = {"bench": args.bench, "method": args.method, "model": args.model, "temperature": args.temperature,
-              "max_new_tokens": max_new_tokens}
+              "max_new_tokens": max_new_tokens, **sampling_fields(args)}
     if problem := _other_settings(output, done.values(), wanted):  # checked before the model loads
         print(f"gen_answers: error: {problem}", file=sys.stderr)
         return 2
-    answerer = Answerer(args)
+    answerer = Answerer(args, loaded)
     wanted.update(adapter=answerer.adapter, tree=answerer.tree, dtype=answerer.dtype,
                   device=answerer.environment["device"])
     if problem := _other_settings(output, done.values(), wanted):
@@ -243,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
                             "tree": answerer.tree, "dtype": answerer.dtype,
                             "capture": args.capture if args.method in ENGINE_METHODS else None,
                             "startup_s": answerer.startup_s,
-                            "temperature": args.temperature, "max_new_tokens": max_new_tokens,
+                            "temperature": args.temperature, **sampling_fields(args),
+                            "max_new_tokens": max_new_tokens,
                             "prompt_tokens": len(ids), "new_tokens": len(result["token_ids"]),
                             **result,
                             "text": answerer.tokenizer.decode(result["token_ids"], skip_special_tokens=True),

@@ -5,7 +5,7 @@ tree of those guesses is verified in one forward pass, and greedy output stays i
 greedy decoding.
 """
 
-from .config import AttentionType, CaptureMode, DecodeConfig, DecodeMethod, PromptTokenConfig
+from .config import Acceptance, AttentionType, CaptureMode, DecodeConfig, DecodeMethod, PromptTokenConfig
 from .decoder import Decoder, GenerationOutput, PromptTooLongError, StepOutput, eos_ids_of
 from .models import DEFAULT_MODEL, EMBEDDED_MODELS, ModelInfo, load_model, load_tokenizer
 from .prompt_tokens import AdapterMismatchError, PromptTokens
@@ -14,6 +14,7 @@ from .tree import Tree, TreeBuffers, TreeSet
 __version__ = "0.1.0"
 
 __all__ = [
+    "Acceptance",
     "AdapterMismatchError",
     "AttentionType",
     "CaptureMode",

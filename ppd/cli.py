@@ -58,16 +58,21 @@ def add_decode_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--method", choices=["ppd", "baseline"], default="ppd")
     group.add_argument("--max_new_tokens", type=int, default=512)
     group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (lossless)")
-    group.add_argument("--top_p", type=float, default=1.0)
-    group.add_argument("--posterior_threshold", type=float, default=0.09)
-    group.add_argument("--posterior_alpha", type=float, default=0.3)
+    group.add_argument("--top_p", type=float, default=1.0, help="nucleus mass when sampling")
+    group.add_argument("--top_k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    group.add_argument("--acceptance", choices=["lossless", "typical"], default="lossless",
+                       help="how sampled guesses are verified: lossless (exact samples from the model) or "
+                            "typical (Medusa's typical acceptance: more guesses kept, not the model's "
+                            "distribution)")
+    group.add_argument("--posterior_threshold", type=float, default=0.09, help="typical acceptance only")
+    group.add_argument("--posterior_alpha", type=float, default=0.3, help="typical acceptance only")
     group.add_argument("--seed", type=int, default=None)
 
 
 def decode_config(args: argparse.Namespace) -> DecodeConfig:
     return DecodeConfig(
         method=args.method, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-        posterior_threshold=args.posterior_threshold, posterior_alpha=args.posterior_alpha, seed=args.seed,
+        top_k=args.top_k, acceptance=args.acceptance, posterior_threshold=args.posterior_threshold, posterior_alpha=args.posterior_alpha, seed=args.seed,
         capture=getattr(args, "capture", "auto"),
     )
 

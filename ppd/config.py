@@ -33,6 +33,20 @@ class DecodeMethod(str, enum.Enum):
     BASELINE = "baseline"
 
 
+class Acceptance(str, enum.Enum):
+    """How a sampled (temperature > 0) step decides which guesses to keep (``ppd.acceptance``).
+
+    ``lossless``: the model's next token is drawn at the last accepted node and a guess is kept when it is
+    that token, so every emitted token is an exact sample from the model (the text has the model's own
+    distribution, and with the same seed it is the baseline's text). ``typical``: Medusa's typical
+    acceptance, which keeps any guess the model finds likely enough; it accepts more guesses but does not
+    sample from the model's distribution.
+    """
+
+    LOSSLESS = "lossless"
+    TYPICAL = "typical"
+
+
 class CaptureMode(str, enum.Enum):
     """How the decoding step runs (``ppd.decoding.graphs``).
 
@@ -102,6 +116,9 @@ class DecodeConfig:
     max_new_tokens: int = field(default=512, metadata={"help": "Stop after this many new tokens."})
     temperature: float = field(default=0.0, metadata={"help": "0 = greedy (lossless); > 0 samples."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass when temperature > 0."})
+    top_k: int = field(default=0, metadata={"help": "Sample among the k most likely tokens (0: all)."})
+    acceptance: Acceptance = field(default=Acceptance.LOSSLESS, metadata={
+        "help": "lossless (exact samples from the model) | typical (Medusa's, not lossless); temperature > 0"})
     posterior_threshold: float = field(default=0.09, metadata={"help": "Typical acceptance: hard threshold."})
     posterior_alpha: float = field(default=0.3, metadata={"help": "Typical acceptance: entropy-scaled threshold."})
     stop_on_eos: bool = field(default=True, metadata={"help": "Stop a sequence at the tokenizer's EOS ids."})
@@ -114,12 +131,15 @@ class DecodeConfig:
     def __post_init__(self) -> None:
         self.method = DecodeMethod(self.method)
         self.capture = CaptureMode(self.capture)
+        self.acceptance = Acceptance(self.acceptance)
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = no top-k filter), got {self.top_k!r}")
         # Typical acceptance takes a guess whose probability exceeds min(threshold, alpha * exp(-entropy)):
         # a bound of 0 or below would accept every guess, whatever the model thinks of it.
         if not 0 < self.posterior_threshold <= 1:
@@ -130,3 +150,13 @@ class DecodeConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def filtered(self) -> bool:
+        """Samples from a truncated distribution (top-k or top-p)."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
+
+    @property
+    def typical(self) -> bool:
+        """Samples with typical acceptance."""
+        return not self.greedy and self.acceptance is Acceptance.TYPICAL

@@ -217,12 +217,13 @@ class Decoder:
         return [c for runner in self._runners.values() for c in runner.captures]
 
     def warmup(self, batch_sizes: Sequence[int] = (1,), methods: Sequence[str] = ("ppd", "baseline"),
-               capture: CaptureMode | str = CaptureMode.AUTO, greedy: bool = True, max_width: int | None = None
-               ) -> float:
+               capture: CaptureMode | str = CaptureMode.AUTO, sampling: DecodeConfig | None = None,
+               max_width: int | None = None) -> float:
         """Compile and capture ahead of time the steps that these batch sizes and methods run (the tree step
         for ``ppd``, the one-row step for ``baseline``; PPD falls back to the one-row step only at the end
         of the context window, which captures it then), at every attention width up to ``max_width``
-        (default: the whole cache). Returns the seconds it took; :attr:`captures` has each graph's share.
+        (default: the whole cache), for requests sampled as ``sampling`` says (default: greedy). Returns the
+        seconds it took; :attr:`captures` has each graph's share.
         In eager mode there is nothing to prepare."""
         mode = resolve_mode(capture, self.device)
         if mode is CaptureMode.EAGER:
@@ -247,7 +248,7 @@ class Decoder:
                     widths = capture_widths(rows, min(max_width or state.capacity, state.capacity))
                     with torch.no_grad():
                         runner.prepare(tables if tree else None, self.prompt_embeds(tables) if tree else None,
-                                       state, StepKind(tree=tree, greedy=greedy, top_p=False), widths)
+                                       state, StepKind.of(tree, [sampling or DecodeConfig()]), widths)
             finally:
                 self.states.release(state)
         if self.device.type == "cuda":

@@ -10,9 +10,8 @@ Greedy decoding with ``method="ppd"`` gives the baseline's tokens (PPD greedy is
 float32) in fewer forward passes. Sampling (``temperature > 0``) is seeded per batch: the decoder draws
 row ``b`` of a request from a stream derived from the request's seed and ``b``, and each batch's seed is
 derived from ``seed_key`` (the caller's seed and shard), the turn and the batch's position, so the same
-conversations with the same settings give the same text. PPD sampling accepts guesses by typical
-acceptance, which is close to but not exactly the model's sampling distribution: sample with
-``baseline`` for exact samples.
+conversations with the same settings give the same text. PPD samples losslessly: its text is an exact
+sample of the model, the very text the baseline writes with the same seed.
 
 A conversation whose first prompt leaves no room for ``max_new_tokens`` in the decoder's cache, or whose
 first reply is empty, is skipped and counted; a later turn in that case ends the conversation before it

@@ -2,7 +2,7 @@
 
 import torch
 
-from ppd.acceptance import filter_top_p, sample_tokens, uniform
+from ppd.acceptance import filtered_log_probs, sample_tokens, uniform
 
 CHI2_9_DOF_P001 = 27.88  # chi-square critical value, 9 degrees of freedom, false-alarm rate 0.001
 
@@ -26,10 +26,10 @@ def test_gumbel_max_sampling_follows_the_softmax_and_the_nucleus():
     n = 20_000
     rows = logits[None].expand(n, -1)
     seeds, draws = torch.full((n,), 7), torch.arange(n)  # one draw per row of one stream
-    tokens = sample_tokens(rows, torch.tensor([0.8]), None, seeds, draws)
+    tokens = sample_tokens(rows, torch.tensor([0.8]), None, None, seeds, draws)
     expected = torch.softmax(logits / 0.8, -1) * n
     counts = torch.bincount(tokens, minlength=10).float()
     assert ((counts - expected) ** 2 / expected).sum() < CHI2_9_DOF_P001
-    nucleus = filter_top_p(torch.softmax(logits, -1), 0.7)
-    kept = sample_tokens(rows, torch.tensor([1.0]), torch.tensor([0.7]), seeds, draws)
+    nucleus = filtered_log_probs(logits[None], torch.tensor([1.0]), None, torch.tensor([0.7]))[0].isfinite()
+    kept = sample_tokens(rows, torch.tensor([1.0]), None, torch.tensor([0.7]), seeds, draws)
     assert set(kept.unique().tolist()) <= set(nucleus.nonzero().flatten().tolist())

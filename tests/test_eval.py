@@ -173,7 +173,7 @@ class _Resumed(Exception):
 class _FakeAnswerer:
     """What gen_answers learns from loading the model: fp32 on the CPU, no adapter, no tree."""
 
-    def __init__(self, args):
+    def __init__(self, args, loaded=None):
         self.adapter, self.tree, self.dtype, self.environment = "none", "none", "float32", {"device": "cpu"}
 
     def start(self):

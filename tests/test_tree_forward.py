@@ -4,10 +4,10 @@ over that row's own root-to-node path (and its attached prompt tokens) gives."""
 import pytest
 import torch
 
-from ppd import Decoder
+from ppd import DecodeConfig, Decoder
 from ppd.attention import prefill_layout, to_additive
 from ppd.decoding.loop import prefill
-from ppd.decoding.step import generate_candidates, tree_decoding
+from ppd.decoding.step import StepKind, generate_candidates, tree_decoding
 from tests.conftest import random_prompt_tokens, random_tree_set, tiny_model
 
 
@@ -31,8 +31,8 @@ def tree_step_rows(decoder, prompt: list[int], width: int | None = None):
     state = decoder.states.acquire(1)
     with torch.no_grad():
         for key in range(1, tables.num_prompt_tokens + 1):
-            state.reset(1, [64], [2], [], 0, 1.0, 1.0, 0.0, 0.0)
-            prefill(decoder, [prompt], state, True, greedy=True, top_p=False)
+            state.reset(1, [64], [2], [], DecodeConfig())
+            prefill(decoder, [prompt], state, True, StepKind(tree=True))
             state.key.fill_(key)
             rows = generate_candidates(decoder.lm, tables, decoder.prompt_embeds(), state)
             slots = state.slot_ids[: width or state.capacity]

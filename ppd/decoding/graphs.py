@@ -82,7 +82,7 @@ def compiled_step(mode: str | None):
 
 def _mark_tree_sizes(tables: TreeTables, prompt_embeds: torch.Tensor) -> None:
     """Tree rows, candidates, prompt rows, paths and depth vary between tree sets: keep them symbolic."""
-    sized = [(tables.candidate_index, (1,)), (tables.parent_row, (1,)), (tables.prompt_index, (1,)),
+    sized = [(tables.candidate_index, (1,)), (tables.parent_row, (1,)), (tables.is_candidate, (1,)), (tables.prompt_index, (1,)),
              (tables.position_offset, (1,)), (tables.allowed, (1, 2)), (tables.retrieve_indices, (1, 2)),
              (tables.retrieve_valid, (1, 2)), (tables.node_prompt_rows, (1,)), (tables.node_prompt_count, (1,)),
              (prompt_embeds, (1,))]

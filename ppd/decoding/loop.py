@@ -10,17 +10,16 @@ decided on the device.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
 
-from ..acceptance import sample_tokens
 from ..config import DecodeConfig, DecodeMethod
 from ..prefill import average_copies, build_prefill
 from .graphs import StepRunner, captures_graphs, resolve_mode
 from .state import LENGTH, MAX_LENGTH, REASONS, REPORT_HEAD, DecodeState
-from .step import StepKind, start_rows
+from .step import StepKind, next_tokens, start_rows
 from .tables import TreeTables
 
 if TYPE_CHECKING:
@@ -108,13 +107,13 @@ def decode(decoder: "Decoder", batch: list[list[int]], config: DecodeConfig) -> 
     bucket = batch_bucket(n, exact)
     # The batch policy's tree for this bucket; none where the one-row step is faster at this batch size.
     tables = decoder.tables_for(bucket) if use_ppd else None
-    top_p = config.top_p < 1.0
+    kind = StepKind.of(tables is not None, [config])
 
     state = decoder.states.acquire(bucket)
     try:
         with torch.no_grad():
             reset_rows(decoder, state, lengths, config)
-            prefill(decoder, batch, state, use_ppd, config.greedy, top_p)
+            prefill(decoder, batch, state, use_ppd, kind)
             report = state.report[:n].tolist()
         progress = Progress([[] for _ in batch], [0] * n, [[] for _ in batch], [None] * n)
         progress.record(report, count_step=False)
@@ -123,7 +122,7 @@ def decode(decoder: "Decoder", batch: list[list[int]], config: DecodeConfig) -> 
         host_lengths = [line[3] for line in report]
         step = 0
         while not all(progress.finished()):
-            report = run_step(decoder, runner, state, tables, max(host_lengths), n, config.greedy, top_p, exact)
+            report = run_step(decoder, runner, state, tables, max(host_lengths), n, kind, exact)
             step += 1
             progress.current_step = step
             progress.record(report, count_step=True)
@@ -140,31 +139,28 @@ def reset_rows(decoder: "Decoder", state: DecodeState, lengths: list[int], confi
     capacity = decoder.capacity
     limits = [min(config.max_new_tokens, capacity - length) for length in lengths]
     reasons = [LENGTH if config.max_new_tokens <= capacity - length else MAX_LENGTH for length in lengths]
-    state.reset(len(lengths), limits, reasons, sorted(decoder.eos_token_ids) if config.stop_on_eos else [],
-                config.seed if config.seed is not None else 0, config.temperature, config.top_p,
-                config.posterior_threshold, config.posterior_alpha)
+    state.reset(len(lengths), limits, reasons, sorted(decoder.eos_token_ids) if config.stop_on_eos else [], config)
 
 
 def run_step(decoder: "Decoder", runner: StepRunner, state: DecodeState, tables: TreeTables | None, longest: int,
-             rows_read: int, greedy: bool, top_p: bool, exact: bool) -> list[list[int]]:
+             rows_read: int, kind: StepKind, exact: bool) -> list[list[int]]:
     """One step of every row of ``state`` (verifying ``tables``' trees, or one row each where ``tables`` is
     None), whose longest row has ``longest`` committed tokens; returns the report of the first ``rows_read``
-    rows, the step's one host synchronisation. ``greedy``: every row is greedy; ``top_p``: some row samples
-    with a top-p filter."""
+    rows, the step's one host synchronisation. ``kind`` says how the rows sample (its ``tree`` is decided
+    here)."""
     # Near the end of the context window the tree's positions would not fit: one row a step.
     tree = tables is not None and longest + tables.max_offset < decoder.max_positions
     rows = tables.num_rows if tree else 1
     width = attention_width(longest + rows, state.capacity, exact)
-    kind = StepKind(tree=tree, greedy=greedy, top_p=top_p and not greedy)
+    kind = replace(kind, tree=tree)
     with torch.no_grad():
         runner.run(tables if tree else None, decoder.prompt_embeds(tables) if tree else None, state, kind, width)
         return state.report[:rows_read].tolist()
 
 
-def prefill(decoder: "Decoder", batch: list[list[int]], state: DecodeState, use_ppd: bool, greedy: bool,
-            top_p: bool) -> None:
+def prefill(decoder: "Decoder", batch: list[list[int]], state: DecodeState, use_ppd: bool, kind: StepKind) -> None:
     """Run ``[x_b, prompt tokens]`` into the first rows of the state's cache; set each row's length, root,
-    guesses and key. ``greedy``: every row is greedy; ``top_p``: some row samples with a top-p filter."""
+    guesses and key. ``kind`` says how the rows sample."""
     n = len(batch)
     pt = decoder.prompt_tokens
     n_prompt = pt.num_prompt_tokens if use_ppd else 0
@@ -179,14 +175,8 @@ def prefill(decoder: "Decoder", batch: list[list[int]], state: DecodeState, use_
                         logits_to_keep=inputs.keep)
     rows = inputs.rows(out.logits)  # [n, 1 + N*V, vocab]
     state.lengths[:n] = inputs.lengths
-    if greedy:
-        root = rows[:, 0].argmax(-1)
-    else:
-        sampled = sample_tokens(rows[:, 0], state.temperature[:n], state.top_p[:n] if top_p else None,
-                                state.seed[:n], state.draws[:n])
-        root = torch.where(state.greedy[:n], rows[:, 0].argmax(-1), sampled)
-        state.draws[:n] += 1
-    state.root[:n] = root
+    first = state.rows(0, n)
+    state.root[:n] = next_tokens(rows[:, 0], first, kind, first.generated)  # output token 0
     if use_ppd:
         guesses = average_copies(rows[:, 1:], n_prompt, V).topk(decoder.guess_k, dim=-1).indices
         state.guesses[:n] = guesses

@@ -14,9 +14,11 @@ Per batch row b (a bucket may hold padding rows, which start finished):
   (:data:`RUNNING`, :data:`EOS`, :data:`LENGTH`, :data:`MAX_LENGTH`), ``limit_reason[b]`` the reason its
   limit stands for.
 - ``report[b]``: what the last step did, ``[count, accepted, reason, length, tokens...]``.
-- ``eos[b]``: the row's EOS ids (-1 padded); ``seed[b]``, ``draws[b]``, ``temperature[b]``, ``top_p[b]``,
-  the typical-acceptance bounds and ``greedy[b]``: the row's own sampling settings, so that requests with
-  different settings can share a batch (a greedy row in a sampled step still takes the argmax).
+- ``eos[b]``: the row's EOS ids (-1 padded); ``seed[b]``, ``temperature[b]``, ``top_k[b]``, ``top_p[b]``,
+  ``typical[b]`` with the typical-acceptance bounds, and ``greedy[b]``: the row's own sampling settings, so
+  that requests with different settings can share a batch (a greedy row in a sampled step still takes the
+  argmax). Row b draws the random numbers of its i-th output token from ``(seed[b], i)``, with i read from
+  ``generated[b]`` (see ``ppd.acceptance``).
 
 :meth:`DecodeState.rows` is a view of a range of rows sharing the buffers (a continuous batch runs a step
 over its first rows, and prefills a joining request into its own row).
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from ..config import DecodeConfig
 from .kv_cache import KVBuffer
 
 RUNNING, EOS, LENGTH, MAX_LENGTH = 0, 1, 2, 3
@@ -55,11 +58,12 @@ class DecodeState:
         self.limit_reason = longs(B)
         self.eos = torch.full((B, max(num_eos, 1)), -1, dtype=torch.long, device=device)
         self.report = longs(B, REPORT_HEAD + max_emit)
-        # Sampling: per-row seeds and a per-row counter of random draws (see ``ppd.acceptance.uniform``).
+        # Sampling: per-row seeds and settings (see ``ppd.acceptance``).
         self.seed = longs(B)
-        self.draws = longs(B)
         self.temperature = torch.ones(B, device=device)
+        self.top_k = longs(B)
         self.top_p = torch.ones(B, device=device)
+        self.typical = torch.zeros(B, dtype=torch.bool, device=device)
         self.posterior_threshold = torch.zeros(B, device=device)
         self.posterior_alpha = torch.zeros(B, device=device)
         self.greedy = torch.ones(B, dtype=torch.bool, device=device)
@@ -68,8 +72,8 @@ class DecodeState:
 
     # Every per-row buffer except the KV cache.
     ROW_BUFFERS = ("lengths", "root", "guesses", "key", "generated", "limit", "reason", "limit_reason", "eos",
-                   "report", "seed", "draws", "temperature", "top_p", "posterior_threshold", "posterior_alpha",
-                   "greedy")
+                   "report", "seed", "temperature", "top_k", "top_p", "typical", "posterior_threshold",
+                   "posterior_alpha", "greedy")
 
     def row_tensors(self) -> list[torch.Tensor]:
         return [getattr(self, name) for name in self.ROW_BUFFERS]
@@ -102,8 +106,7 @@ class DecodeState:
 
     def small_tensors(self) -> list[torch.Tensor]:
         """Every buffer a step changes except the KV cache, whose changes past ``lengths`` are stale anyway."""
-        return [self.lengths, self.root, self.guesses, self.key, self.generated, self.reason, self.report,
-                self.draws]
+        return [self.lengths, self.root, self.guesses, self.key, self.generated, self.reason, self.report]
 
     def snapshot(self) -> list[torch.Tensor]:
         return [t.clone() for t in self.small_tensors()]
@@ -112,10 +115,10 @@ class DecodeState:
         for t, s in zip(self.small_tensors(), saved):
             t.copy_(s)
 
-    def reset(self, rows: int, limits: list[int], limit_reasons: list[int], eos: list[int], seed: int,
-              temperature: float, top_p: float, posterior_threshold: float, posterior_alpha: float) -> None:
-        """Prepare for a request of ``rows`` real rows (the rest of the bucket is padding, finished at once).
-        ``temperature`` 0 is greedy."""
+    def reset(self, rows: int, limits: list[int], limit_reasons: list[int], eos: list[int],
+              sampling: DecodeConfig) -> None:
+        """Prepare for a request of ``rows`` real rows (the rest of the bucket is padding, finished at once),
+        sampled as ``sampling`` says (its seed, temperature, filters and acceptance)."""
         B = self.batch_size
         pad = B - rows
 
@@ -128,15 +131,16 @@ class DecodeState:
         self.generated.zero_()
         self.lengths.zero_()
         self.key.zero_()
-        self.draws.zero_()
         self.report.zero_()
         eos_ids = sorted(eos)[: self.eos.shape[1]]
         put(self.eos, [eos_ids + [-1] * (self.eos.shape[1] - len(eos_ids))] * B)
         # One seed per row, derived from the request's seed so that rows draw independent numbers.
+        seed = sampling.seed if sampling.seed is not None else 0
         put(self.seed, [(seed * 1_000_003 + b * 7_919) % (1 << 31) for b in range(B)])
-        for buffer, value in ((self.temperature, max(temperature, 1e-6)), (self.top_p, top_p),
-                              (self.posterior_threshold, posterior_threshold), (self.posterior_alpha, posterior_alpha),
-                              (self.greedy, temperature == 0)):
+        for buffer, value in ((self.temperature, max(sampling.temperature, 1e-6)), (self.top_k, sampling.top_k),
+                              (self.top_p, sampling.top_p), (self.typical, sampling.typical),
+                              (self.posterior_threshold, sampling.posterior_threshold),
+                              (self.posterior_alpha, sampling.posterior_alpha), (self.greedy, sampling.greedy)):
             buffer.fill_(value)
 
 

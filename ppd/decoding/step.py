@@ -19,8 +19,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..acceptance import accept_candidates, longest_accepted_path, sample_tokens
+from collections.abc import Iterable
+
+from ..acceptance import accept_candidates, longest_accepted_path, sample_tokens, walk_tree
 from ..attention import LayerAttention, step_mask
+from ..config import DecodeConfig
 from ..prefill import average_copies
 from .state import EOS, REPORT_HEAD, RUNNING, DecodeState
 from .tables import TreeTables
@@ -56,8 +59,27 @@ class StepKind:
     """What one compiled/captured step is specialised for (everything else is a tensor it reads)."""
 
     tree: bool  # PPD tree step, or one autoregressive row
-    greedy: bool
-    top_p: bool  # apply the top-p filter (sampling only)
+    greedy: bool = True  # every row is greedy
+    filtered: bool = False  # some sampled row applies top-k or top-p
+    typical: bool = False  # some sampled row uses typical acceptance
+
+    @classmethod
+    def of(cls, tree: bool, configs: Iterable[DecodeConfig]) -> "StepKind":
+        """The step that serves rows decoded as ``configs`` say."""
+        configs = list(configs)
+        return cls(tree, greedy=all(c.greedy for c in configs), filtered=any(c.filtered for c in configs),
+                   typical=any(c.typical for c in configs))
+
+
+def next_tokens(logits: torch.Tensor, state: DecodeState, kind: StepKind, index: torch.Tensor) -> torch.Tensor:
+    """Each row's token after ``logits`` [B, vocab]: the argmax in greedy rows, else a sample with the random
+    numbers of the row's output token ``index[b]`` (see ``ppd.acceptance``)."""
+    greedy = logits.argmax(-1)
+    if kind.greedy:
+        return greedy
+    sampled = sample_tokens(logits, state.temperature, state.top_k if kind.filtered else None,
+                            state.top_p if kind.filtered else None, state.seed, index)
+    return torch.where(state.greedy, greedy, sampled)
 
 
 def stop_rows(state: DecodeState, emitted: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,43 +162,54 @@ def tree_decoding(lm: LanguageModel, state: DecodeState, rows: Candidates, slot_
 
 
 def evaluate_posterior(tables: TreeTables | None, state: DecodeState, rows: Candidates, node_logits: torch.Tensor,
-                       greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The longest accepted path of each row's tree: its tree rows [B, depth + 1] (root first) and how many
-    of its candidates were accepted [B]."""
+                       kind: StepKind) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's accepted path: its tree rows [B, depth + 1] (root first), how many of its candidates were
+    accepted [B], and the next root, the model's token after the last of them [B].
+
+    Greedy rows keep the longest path whose candidates are their parents' argmax; sampled rows walk the tree
+    with lossless verification, or keep the longest typically-accepted path where they asked for it.
+    """
+    generated = state.generated  # output index of the token each row's root draws next (see ``ppd.acceptance``)
     if tables is None:
-        accepted = torch.zeros_like(state.root)
-        return accepted[:, None], accepted
+        zero = torch.zeros_like(state.root)
+        return zero[:, None], zero, next_tokens(node_logits[:, 0], state, kind, generated)
     key = state.key
+    batch = torch.arange(node_logits.shape[0], device=node_logits.device)
     parents = tables.parent_row[key]
-    verdict = accept_candidates(node_logits, rows.node_tokens, parents, True)
-    if not greedy:  # rows that sample use typical acceptance; greedy rows of the same batch keep the argmax rule
-        typical = accept_candidates(node_logits, rows.node_tokens, parents, False, state.temperature,
+    if kind.greedy:
+        best, accepted = longest_accepted_path(accept_candidates(node_logits, rows.node_tokens, parents, True),
+                                               tables.retrieve_indices[key], tables.retrieve_valid[key])
+        path = tables.retrieve_indices[key][batch, best]
+        last = path.gather(1, accepted[:, None])[:, 0]
+        return path, accepted, node_logits[batch, last].argmax(-1)
+    path, accepted, root = walk_tree(node_logits, rows.node_tokens, parents, tables.is_candidate[key], tables.depth,
+                                     lambda logits, depth: next_tokens(logits, state, kind, generated + depth))
+    if kind.typical:
+        verdict = accept_candidates(node_logits, rows.node_tokens, parents, False, state.temperature,
                                     state.posterior_threshold, state.posterior_alpha)
-        verdict = torch.where(state.greedy[:, None], verdict, typical)
-    best, accepted = longest_accepted_path(verdict, tables.retrieve_indices[key], tables.retrieve_valid[key])
-    batch = torch.arange(best.shape[0], device=best.device)
-    return tables.retrieve_indices[key][batch, best], accepted
+        best, typical_accepted = longest_accepted_path(verdict, tables.retrieve_indices[key],
+                                                       tables.retrieve_valid[key])
+        typical_path = tables.retrieve_indices[key][batch, best]
+        last = typical_path.gather(1, typical_accepted[:, None])[:, 0]
+        typical_root = next_tokens(node_logits[batch, last], state, kind, generated + typical_accepted)
+        path = torch.where(state.typical[:, None], typical_path, path)
+        accepted = torch.where(state.typical, typical_accepted, accepted)
+        root = torch.where(state.typical, typical_root, root)
+    return path, accepted, root
 
 
-def update_inference_inputs(lm: LanguageModel, tables: TreeTables | None, state: DecodeState, kind: StepKind,
-                            rows: Candidates, hidden: torch.Tensor, node_logits: torch.Tensor, path: torch.Tensor,
-                            accepted: torch.Tensor) -> None:
-    """Keep the accepted path in the cache (one gather/scatter for all layers); the next root, guesses and
-    key from the last accepted node (logits only for its prompt rows); the stopping rules; the report."""
+def update_inference_inputs(lm: LanguageModel, tables: TreeTables | None, state: DecodeState, rows: Candidates,
+                            hidden: torch.Tensor, path: torch.Tensor, accepted: torch.Tensor,
+                            new_root: torch.Tensor) -> None:
+    """Keep the accepted path in the cache (one gather/scatter for all layers); the next guesses and key
+    from the last accepted node (logits only for its prompt rows); the next root; the stopping rules; the
+    report."""
     batch = torch.arange(path.shape[0], device=path.device)
     running = state.reason == RUNNING
-    last = path.gather(1, accepted[:, None])[:, 0]  # tree row of the last accepted node
-    last_logits = node_logits[batch, last]  # [B, vocab]
-    if kind.greedy:
-        new_root = last_logits.argmax(-1)
-    else:
-        sampled = sample_tokens(last_logits, state.temperature, state.top_p if kind.top_p else None,
-                                state.seed, state.draws)
-        new_root = torch.where(state.greedy, last_logits.argmax(-1), sampled)
-        state.draws.add_(running.long())
     emitted = torch.cat([rows.node_tokens.gather(1, path)[:, 1:], torch.zeros_like(new_root)[:, None]], dim=1)
     emitted = emitted.scatter(1, accepted[:, None], new_root[:, None])  # accepted candidates, then the root
     if tables is not None:
+        last = path.gather(1, accepted[:, None])[:, 0]  # tree row of the last accepted node
         key = state.key
         prompt_rows = tables.node_prompt_rows[key][batch, last]  # [B, N * V]
         prompt_hidden = hidden.gather(1, prompt_rows[..., None].expand(-1, -1, hidden.shape[-1]))
@@ -200,5 +233,5 @@ def decode_step(lm: LanguageModel, tables: TreeTables | None, prompt_embeds: tor
     hidden = tree_decoding(lm, state, rows, slot_ids)
     num_nodes = rows.node_tokens.shape[1]
     node_logits = lm.logits(hidden[:, :num_nodes])  # [B, 1 + C, vocab]: the only logits acceptance reads
-    path, accepted = evaluate_posterior(tables, state, rows, node_logits, kind.greedy)
-    update_inference_inputs(lm, tables, state, kind, rows, hidden, node_logits, path, accepted)
+    path, accepted, new_root = evaluate_posterior(tables, state, rows, node_logits, kind)
+    update_inference_inputs(lm, tables, state, rows, hidden, path, accepted, new_root)

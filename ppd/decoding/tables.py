@@ -30,6 +30,7 @@ class TreeTables:
     depth: int  # longest path
     candidate_index: torch.Tensor  # long [N+1, C]: index into a row's flattened guesses [N * K]
     parent_row: torch.Tensor  # long [N+1, C]: row of each candidate's parent
+    is_candidate: torch.Tensor  # bool [N+1, C]: a real candidate, not padding
     prompt_index: torch.Tensor  # long [N+1, T-1-C]: prompt-token table row of each prompt row
     position_offset: torch.Tensor  # long [N+1, T]: position minus the root's position
     allowed: torch.Tensor  # bool [N+1, T, T]: row may attend to row
@@ -61,6 +62,7 @@ class TreeTables:
 
         candidate_index = torch.zeros(K1, C, dtype=torch.long)
         parent_row = torch.zeros(K1, C, dtype=torch.long)
+        is_candidate = torch.zeros(K1, C, dtype=torch.bool)
         prompt_index = torch.zeros(K1, prompt_rows, dtype=torch.long)
         position_offset = torch.zeros(K1, T, dtype=torch.long)
         allowed = torch.eye(T, dtype=torch.bool).repeat(K1, 1, 1)
@@ -76,6 +78,7 @@ class TreeTables:
             c = nodes - 1
             candidate_index[k, :c] = b.candidate_index.cpu()
             parent_row[k, :c] = b.parent_row.cpu()
+            is_candidate[k, :c] = True
             prompt_index[k, : rows - nodes] = b.prompt_index.cpu()
             position_offset[k, remap] = b.position_offset.cpu()
             allowed[k, remap[:, None], remap[None, :]] = b.allowed.cpu()
@@ -90,7 +93,8 @@ class TreeTables:
         return cls(
             num_prompt_tokens=n, num_ensemble=num_ensemble, top_k=top_k, num_rows=T, num_candidates=C,
             depth=depth, candidate_index=candidate_index.to(device), parent_row=parent_row.to(device),
-            prompt_index=prompt_index.to(device), position_offset=position_offset.to(device),
+            is_candidate=is_candidate.to(device), prompt_index=prompt_index.to(device),
+            position_offset=position_offset.to(device),
             allowed=allowed.to(device), retrieve_indices=retrieve.to(device), retrieve_valid=valid.to(device),
             node_prompt_rows=node_rows.to(device), node_prompt_count=node_count.to(device),
             max_offset=max(b.max_offset for b in per_key),

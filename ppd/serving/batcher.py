@@ -121,7 +121,7 @@ class ContinuousBatcher:
                 widths = capture_widths(tables.num_rows if tables is not None else 1, view.capacity)
                 with torch.no_grad():
                     self._runner.prepare(tables, lane.prompt_embeds(tables), view,
-                                         StepKind(tree=tables is not None, greedy=greedy, top_p=False), widths)
+                                         StepKind(tree=tables is not None, greedy=greedy), widths)
                 bucket *= 2
         return time.perf_counter() - start
 
@@ -242,8 +242,7 @@ class _Pending:
 @dataclass
 class _Row:
     stream: Stream
-    greedy: bool
-    top_p: bool  # samples with a top-p filter
+    config: DecodeConfig
     length: int = 0  # committed cache entries, as of the last report
     done: bool = False
 
@@ -280,7 +279,7 @@ class _Lane:
         with torch.no_grad():
             view = self.view(1)
             reset_rows(self.batcher.decoder, view, [1], DecodeConfig(max_new_tokens=1, stop_on_eos=False))
-            prefill(self.batcher.decoder, [[0]], view, self.use_ppd, True, False)
+            prefill(self.batcher.decoder, [[0]], view, self.use_ppd, StepKind(tree=False))
             self.state.vacate(0)
 
     def admit(self, joining: list[_Pending]) -> None:
@@ -293,13 +292,11 @@ class _Lane:
                 reset_rows(decoder, self.state.rows(start + i, start + i + 1), [len(pending.ids)], pending.config)
                 pending.stream._started_now()
             view = self.state.rows(start, start + len(joining))
-            greedy = all(p.config.greedy for p in joining)
-            top_p = any(p.config.top_p < 1.0 for p in joining)
-            prefill(decoder, [p.ids for p in joining], view, self.use_ppd, greedy, top_p)
+            prefill(decoder, [p.ids for p in joining], view, self.use_ppd, StepKind.of(False, [p.config for p in joining]))
             report = view.report.tolist()
         self.batcher.steps_run += 1
         for pending, line in zip(joining, report):
-            row = _Row(pending.stream, pending.config.greedy, pending.config.top_p < 1.0)
+            row = _Row(pending.stream, pending.config)
             self.rows.append(row)
             self._deliver(row, line, counts_as_step=False)
         self._remove_finished()
@@ -310,8 +307,8 @@ class _Lane:
         n = len(self.rows)
         bucket = batcher._bucket(n)
         report = run_step(batcher.decoder, batcher._runner, self.view(bucket), self.tables(bucket),
-                          max(row.length for row in self.rows), n, all(row.greedy for row in self.rows),
-                          any(row.top_p for row in self.rows), batcher._exact)
+                          max(row.length for row in self.rows), n, StepKind.of(False, [row.config for row in self.rows]),
+                          batcher._exact)
         batcher.steps_run += 1
         for row, line in zip(self.rows, report):
             self._deliver(row, line, counts_as_step=True)
