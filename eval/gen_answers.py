@@ -239,6 +239,10 @@ def main(argv: list[str] | None = None, loaded: Loaded | None = None) -> int:
     if problem := _other_settings(output, done.values(), wanted):  # checked before the model loads
         print(f"gen_answers: error: {problem}", file=sys.stderr)
         return 2
+    if all((q.question_id, turn, run) in done for q in questions for turn in range(len(q.turns))
+           for run in range(args.num_runs)):
+        print(f"{output}: every answer is there already", file=sys.stderr)
+        return 0
     answerer = Answerer(args, loaded)
     wanted.update(adapter=answerer.adapter, tree=answerer.tree, dtype=answerer.dtype,
                   device=answerer.environment["device"])
