@@ -22,7 +22,6 @@ the baseline's at the same temperature, and accept length as a share of greedy p
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from ppd.config import DecodeConfig
 from . import gen_answers
 from .benchmarks import BENCHMARKS
 from .records import write_json
+from .report import read_records
 
 # name -> (gen_answers method, acceptance); greedy runs have no acceptance rule.
 VARIANTS = {"baseline": ("baseline", "lossless"), "ppd_lossless": ("ppd", "lossless"),
@@ -76,7 +76,7 @@ def gen_answers_argv(args: argparse.Namespace, temperature: float, method: str, 
 
 
 def totals(path: Path) -> dict:
-    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    records = read_records([str(path)])
     new_tokens = sum(r["new_tokens"] for r in records)
     steps = sum(r["steps"] for r in records)
     wall = sum(r["wall_time_s"] for r in records)

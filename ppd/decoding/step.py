@@ -14,12 +14,11 @@ With ``tables=None`` the same function is one autoregressive step (the root alon
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-
-from collections.abc import Iterable
 
 from ..acceptance import accept_candidates, longest_accepted_path, sample_tokens, walk_tree
 from ..attention import LayerAttention, step_mask
@@ -176,22 +175,23 @@ def evaluate_posterior(tables: TreeTables | None, state: DecodeState, rows: Cand
     key = state.key
     batch = torch.arange(node_logits.shape[0], device=node_logits.device)
     parents = tables.parent_row[key]
-    if kind.greedy:
-        best, accepted = longest_accepted_path(accept_candidates(node_logits, rows.node_tokens, parents, True),
-                                               tables.retrieve_indices[key], tables.retrieve_valid[key])
+
+    def longest(verdict: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The longest path of candidates that ``verdict`` accepts: its rows, its length, the logits after it."""
+        best, accepted = longest_accepted_path(verdict, tables.retrieve_indices[key], tables.retrieve_valid[key])
         path = tables.retrieve_indices[key][batch, best]
-        last = path.gather(1, accepted[:, None])[:, 0]
-        return path, accepted, node_logits[batch, last].argmax(-1)
+        return path, accepted, node_logits[batch, path.gather(1, accepted[:, None])[:, 0]]
+
+    if kind.greedy:
+        path, accepted, last_logits = longest(accept_candidates(node_logits, rows.node_tokens, parents, True))
+        return path, accepted, last_logits.argmax(-1)
     path, accepted, root = walk_tree(node_logits, rows.node_tokens, parents, tables.is_candidate[key], tables.depth,
                                      lambda logits, depth: next_tokens(logits, state, kind, generated + depth))
     if kind.typical:
-        verdict = accept_candidates(node_logits, rows.node_tokens, parents, False, state.temperature,
-                                    state.posterior_threshold, state.posterior_alpha)
-        best, typical_accepted = longest_accepted_path(verdict, tables.retrieve_indices[key],
-                                                       tables.retrieve_valid[key])
-        typical_path = tables.retrieve_indices[key][batch, best]
-        last = typical_path.gather(1, typical_accepted[:, None])[:, 0]
-        typical_root = next_tokens(node_logits[batch, last], state, kind, generated + typical_accepted)
+        typical_path, typical_accepted, last_logits = longest(accept_candidates(
+            node_logits, rows.node_tokens, parents, False, state.temperature, state.posterior_threshold,
+            state.posterior_alpha))
+        typical_root = next_tokens(last_logits, state, kind, generated + typical_accepted)
         path = torch.where(state.typical[:, None], typical_path, path)
         accepted = torch.where(state.typical, typical_accepted, accepted)
         root = torch.where(state.typical, typical_root, root)
