@@ -24,7 +24,7 @@ $(VENV)/.installed: setup.py Makefile
 	touch $@
 
 demo: install
-	$(BIN)/python -m application.generate --method ppd --max_new_tokens 128 --prompt "$(DEMO_PROMPT)"
+	$(BIN)/python -m application.generate --compare --max_new_tokens 128 --prompt "$(DEMO_PROMPT)"
 
 webui: install
 	$(BIN)/python -m application.webui

@@ -112,7 +112,7 @@ class DataGenArguments:
         "help": "conversations: ppd (the shipped adapter; lossless when greedy) or baseline (default: ppd for "
                 "greedy decoding when an adapter ships for the model, else baseline)"})
     capture: str = field(default="auto", metadata={
-        "help": "conversations: how the decoder's step runs: auto (graph on a GPU, eager on CPU) | eager | graph | "
+        "help": "conversations: how the decoder's step runs: auto (compiled graph on a GPU, compiled on a CPU) | eager | graph | "
                 "compile | compiled_graph | reduce_overhead"})
     exclude_eval_prompts: bool = field(default=True, metadata={
         "help": "drop (and count) source records whose user turns contain an MT-Bench, Alpaca Eval, HumanEval "

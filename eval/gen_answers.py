@@ -276,6 +276,7 @@ def main(argv: list[str] | None = None, loaded: Loaded | None = None) -> int:
                             "method": args.method, "model": args.model, "adapter": answerer.adapter,
                             "tree": answerer.tree, "dtype": answerer.dtype,
                             "capture": args.capture if args.method in ENGINE_METHODS else None,
+                            "packed_weights": bool(answerer.decoder.packed) if args.method in ENGINE_METHODS else None,
                             "startup_s": answerer.startup_s,
                             "temperature": args.temperature, **sampling_fields(args),
                             "max_new_tokens": max_new_tokens,

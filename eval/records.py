@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import platform
+from pathlib import Path
 
 import torch
 
@@ -32,3 +33,11 @@ def recorded(record: dict, field: str):
 def write_json(path: str | os.PathLike, record: dict) -> None:
     """Write ``record`` to ``path`` (parents created) through a temporary file, so a reader never sees half."""
     atomic_write_json(path, record)
+
+
+def write_summary(output_dir: str | os.PathLike, summary: dict, table: str) -> None:
+    """A benchmark's summary as ``summary.json`` and its markdown table as ``summary.md`` in ``output_dir``; the
+    table is printed too."""
+    write_json(Path(output_dir) / "summary.json", summary)
+    (Path(output_dir) / "summary.md").write_text(table + "\n", encoding="utf-8")
+    print(table)

@@ -30,7 +30,7 @@ from ppd.config import DecodeConfig
 
 from . import gen_answers
 from .benchmarks import BENCHMARKS
-from .records import write_json
+from .records import write_summary
 from .report import read_records
 
 # name -> (gen_answers method, acceptance); greedy runs have no acceptance rule.
@@ -164,12 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         row.pop("environment")
     settings = {key: getattr(args, key) for key in ("bench", "model", "temperatures", "top_p", "top_k", "seed",
                                                     "max_new_tokens", "limit", "gen_answers_args")}
-    write_json(output / "summary.json", {"settings": settings, "command": "python -m eval.sampling " + " ".join(
-        argv if argv is not None else sys.argv[1:]), "environment": env, "rows": rows})
-    text = table(rows)
-    (output / "summary.md").write_text(text + "\n", encoding="utf-8")
+    write_summary(output, {"settings": settings, "command": "python -m eval.sampling " + " ".join(
+        argv if argv is not None else sys.argv[1:]), "environment": env, "rows": rows}, table(rows))
     plot(rows, output / "accept_length.png", f"{args.bench}, {env.get('device', 'unknown device')}, {rows[0]['dtype']}")
-    print(text)
     return 0
 
 

@@ -26,7 +26,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model")
     group.add_argument("--model", "--model_name_or_path", dest="model", default=DEFAULT_MODEL,
                        help=f"alias ({DEFAULT_MODEL}), local Hugging Face folder or hub id (default: %(default)s)")
-    group.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on GPU)")
+    group.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on a GPU and on a CPU "
+                       "with bf16 instructions, else fp32)")
     group.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
     quant = group.add_mutually_exclusive_group()
     quant.add_argument("--load_in_4bit", action="store_true", help="NF4 base model via bitsandbytes (GPU)")
@@ -46,11 +47,15 @@ def add_adapter_args(parser: argparse.ArgumentParser) -> None:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--capture", choices=[m.value for m in CaptureMode], default="auto",
-                       help="how the decoding step runs: auto (captured and compiled on CUDA, eager on CPU), eager, "
+                       help="how the decoding step runs: auto (compiled and captured on CUDA, compiled on a CPU; "
+                            "$PPD_CAPTURE overrides), eager, "
                             "graph, compile, compiled_graph, reduce_overhead (default: %(default)s)")
     group.add_argument("--max_seq_len", type=int, default=None,
                        help="tokens (prompt and answer) the decoder's cache holds per row "
                             "(default: the context window, at most 8192)")
+    group.add_argument("--packed_weights", choices=["auto", "off"], default="auto",
+                       help="multiply tree steps with weights packed for their row count: auto (a float32 model on "
+                            "a CPU with MKL) or off (default: %(default)s)")
 
 
 def add_decode_args(parser: argparse.ArgumentParser) -> None:
@@ -128,7 +133,8 @@ def load_decoder(args: argparse.Namespace, with_prompt_tokens: bool = True) -> L
         else:
             tree_source = "packaged:default.json"
     decoder = Decoder(model, prompt_tokens, trees, eos_token_ids=eos_ids_of(model, tokenizer),
-                      max_seq_len=getattr(args, "max_seq_len", None), policy=policy)
+                      max_seq_len=getattr(args, "max_seq_len", None), policy=policy,
+                      packed_weights=False if getattr(args, "packed_weights", "auto") == "off" else None)
     return Loaded(model, tokenizer, info, decoder, source, tree_source)
 
 

@@ -54,7 +54,8 @@ class CaptureMode(str, enum.Enum):
     CUDA graph and replayed. ``compile``: the step compiled by ``torch.compile`` (fused kernels, launched one
     by one). ``compiled_graph``: the compiled step captured in a CUDA graph. ``reduce_overhead``:
     ``torch.compile(mode="reduce-overhead")``, whose CUDA graphs torch manages. ``auto``: the fastest
-    measured for the device (``compiled_graph`` on CUDA, ``eager`` on CPU).
+    measured for the device (``compiled_graph`` on CUDA, ``compile`` on a CPU), or what the environment
+    variable ``PPD_CAPTURE`` names (``PPD_CAPTURE=eager`` skips compiling, for quick runs).
     """
 
     AUTO = "auto"

@@ -20,6 +20,7 @@ import torch
 from .config import CaptureMode, DecodeConfig
 from .decoding.graphs import Capture, StepRunner, captures_graphs, resolve_mode
 from .decoding.loop import PromptTooLongError, batch_bucket, capture_widths, decode
+from .decoding.packed_linear import pack_linears
 from .decoding.state import DecodeState, StatePool
 from .decoding.step import LanguageModel, StepKind
 from .decoding.tables import TreeTables
@@ -96,6 +97,11 @@ class Decoder:
     8192 tokens); every batch bucket's cache holds that many tokens per row. With a ``policy``, PPD
     verifies a batch with the tree set the policy names for its bucket, or runs the one-row step where
     it names none (``trees`` defaults to the policy's tree for batch 1).
+
+    ``packed_weights`` (default: wherever it is available, a float32 model on a CPU with MKL) wraps the
+    model's linear layers so that steps of more than one row multiply with weights packed for their row
+    count (``ppd.decoding.packed_linear``); the model's parameters and its one-row and prefill products
+    are unchanged. On a CPU a tree step also computes the LM head in one pass over all its rows.
     """
 
     def __init__(
@@ -106,9 +112,15 @@ class Decoder:
         eos_token_ids: Iterable[int] = (),
         max_seq_len: int | None = None,
         policy: BatchPolicy | None = None,
+        packed_weights: bool | None = None,
     ):
         self.model = model
+        self.packed = pack_linears(model) if packed_weights is not False else []
+        if packed_weights and not self.packed:
+            raise ValueError("packed weights need a float32 model on a CPU and a torch built with MKL; this model "
+                             f"is {self.dtype} on {self.device}")
         self.lm = LanguageModel.of(model)
+        self.lm.one_head_pass = self.device.type == "cpu"
         self.prompt_tokens = prompt_tokens
         self.eos_token_ids = set(eos_token_ids)
         if len(self.eos_token_ids) > MAX_EOS_IDS:
@@ -193,7 +205,8 @@ class Decoder:
     def with_trees(self, trees: TreeSet) -> "Decoder":
         """A decoder of the same model, prompt tokens, EOS ids and cache size over another tree set (at every
         batch size: without a batch policy)."""
-        return Decoder(self.model, self.prompt_tokens, trees, self.eos_token_ids, max_seq_len=self.capacity)
+        return Decoder(self.model, self.prompt_tokens, trees, self.eos_token_ids, max_seq_len=self.capacity,
+                       packed_weights=bool(self.packed))
 
     def prompt_embeds(self, tables: TreeTables | None = None) -> torch.Tensor:
         """Each tree's prompt-token rows [N + 1, prompt rows, hidden] in the model's dtype, made once per
@@ -208,7 +221,7 @@ class Decoder:
 
     def runner(self, mode: CaptureMode) -> StepRunner:
         if mode not in self._runners:
-            self._runners[mode] = StepRunner(self.lm, mode, self.device)
+            self._runners[mode] = StepRunner(self.lm, mode, self.device, self.packed)
         return self._runners[mode]
 
     @property

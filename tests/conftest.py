@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -10,6 +11,10 @@ import torch
 from ppd import PromptTokenConfig, PromptTokens, Tree, TreeSet
 
 TINY_VOCAB = 24
+
+# ``auto`` compiles the step on a CPU, tens of seconds per model and step kind; the suite's decoders run
+# eagerly unless a test names a mode (the compiled CPU path has tests of its own, tests/test_cpu_path.py).
+os.environ.setdefault("PPD_CAPTURE", "eager")
 
 
 def tiny_model(arch: str = "llama", vocab: int = TINY_VOCAB, seed: int = 0, max_positions: int = 512,

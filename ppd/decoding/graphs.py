@@ -13,12 +13,14 @@ executes. Each capture's seconds (compilation included) are kept in :attr:`StepR
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
 import torch
 
 from ..config import CaptureMode
+from .packed_linear import PackedLinear
 from .state import DecodeState
 from .step import LanguageModel, StepKind, decode_step
 from .tables import TreeTables
@@ -39,11 +41,23 @@ class Capture:
     seconds: float
 
 
+AUTO_ENV = "PPD_CAPTURE"  # what ``auto`` means in this process, where set (``eager`` skips compiling)
+
+
 def resolve_mode(mode: CaptureMode | str, device: torch.device) -> CaptureMode:
-    """``auto`` -> the fastest mode measured for this device type; CUDA-only modes refuse other devices."""
+    """``auto`` -> the fastest mode measured for this device type (``compiled_graph`` on CUDA, ``compile`` on a
+    CPU), or the mode that ``$PPD_CAPTURE`` names; CUDA-only modes refuse other devices."""
     mode = CaptureMode(mode)
     if mode is CaptureMode.AUTO:
-        return CaptureMode.COMPILED_GRAPH if device.type == "cuda" else CaptureMode.EAGER
+        chosen = os.environ.get(AUTO_ENV)
+        if chosen:
+            try:
+                mode = CaptureMode(chosen)
+            except ValueError:
+                raise ValueError(f"${AUTO_ENV}={chosen!r} is not a capture mode; choose one of "
+                                 f"{', '.join(m.value for m in CaptureMode if m is not CaptureMode.AUTO)}") from None
+        if mode is CaptureMode.AUTO:
+            return CaptureMode.COMPILED_GRAPH if device.type == "cuda" else CaptureMode.COMPILE
     if mode in (CaptureMode.GRAPH, CaptureMode.COMPILED_GRAPH, CaptureMode.REDUCE_OVERHEAD) and device.type != "cuda":
         raise ValueError(f"capture mode {mode.value!r} needs a CUDA device; on {device.type} use 'eager' or 'compile'")
     return mode
@@ -92,10 +106,13 @@ def _mark_tree_sizes(tables: TreeTables, prompt_embeds: torch.Tensor) -> None:
 
 
 class StepRunner:
-    def __init__(self, lm: LanguageModel, mode: CaptureMode, device: torch.device):
+    def __init__(self, lm: LanguageModel, mode: CaptureMode, device: torch.device,
+                 packed: list[PackedLinear] = ()):
         self.lm = lm
         self.mode = mode
         self.device = device
+        self.packed = list(packed)  # the model's packed linear layers, if it has them
+        self._packed_rows: set[int] = set()
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple]] = {}
         self._static: set[int] = set()  # states whose buffers torch's own CUDA graphs may treat as fixed
         self._pool = None
@@ -126,15 +143,26 @@ class StepRunner:
     def run(self, tables: TreeTables | None, prompt_embeds: torch.Tensor | None, state: DecodeState,
             kind: StepKind, width: int) -> None:
         """One step of every row of ``state``, attending over ``width`` cache slots."""
+        self.pack_for(tables, state)
         if self.mode in (CaptureMode.GRAPH, CaptureMode.COMPILED_GRAPH):
             self.graph(tables, prompt_embeds, state, kind, width).replay()
         else:
             self._call(tables, prompt_embeds, state, kind, width)
 
+    def pack_for(self, tables: TreeTables | None, state: DecodeState) -> None:
+        """Pack the weights for the rows of this step's forward (every batch row's tree rows), once per count.
+        One row runs with the plain weights, which are as fast there."""
+        rows = state.batch_size * (tables.num_rows if tables is not None else 1)
+        if rows > 1 and self.packed and rows not in self._packed_rows:
+            for layer in self.packed:
+                layer.pack(rows)
+            self._packed_rows.add(rows)
+
     def prepare(self, tables, prompt_embeds, state: DecodeState, kind: StepKind, widths: list[int]) -> None:
         """Do ahead of time what the first steps of this kind would do: capture a graph for every width, or,
         for a compiled step without graphs, compile it (one variant serves every width). The state is left
         as it was."""
+        self.pack_for(tables, state)
         if self.mode in (CaptureMode.GRAPH, CaptureMode.COMPILED_GRAPH):
             for width in widths:
                 self.graph(tables, prompt_embeds, state, kind, width)

@@ -37,6 +37,10 @@ class LanguageModel:
     head: nn.Module
     layers: LayerAttention  # full or sliding attention, layer by layer
     softcap: float | None = None  # the config's ``final_logit_softcapping``, where the model has one
+    # A tree step computes the head once over all its rows, instead of over the nodes and then over the
+    # prompt rows of the accepted node. Cheaper where reading the head's weight is what the head costs
+    # (a CPU, a small tree), dearer where its arithmetic is (a GPU, large trees and batches).
+    one_head_pass: bool = False
 
     @classmethod
     def of(cls, model) -> "LanguageModel":
@@ -200,10 +204,10 @@ def evaluate_posterior(tables: TreeTables | None, state: DecodeState, rows: Cand
 
 def update_inference_inputs(lm: LanguageModel, tables: TreeTables | None, state: DecodeState, rows: Candidates,
                             hidden: torch.Tensor, path: torch.Tensor, accepted: torch.Tensor,
-                            new_root: torch.Tensor) -> None:
+                            new_root: torch.Tensor, row_logits: torch.Tensor | None = None) -> None:
     """Keep the accepted path in the cache (one gather/scatter for all layers); the next guesses and key
-    from the last accepted node (logits only for its prompt rows); the next root; the stopping rules; the
-    report."""
+    from the last accepted node (logits only for its prompt rows, or read from ``row_logits``, every row's,
+    where the step computed them); the next root; the stopping rules; the report."""
     batch = torch.arange(path.shape[0], device=path.device)
     running = state.reason == RUNNING
     emitted = torch.cat([rows.node_tokens.gather(1, path)[:, 1:], torch.zeros_like(new_root)[:, None]], dim=1)
@@ -212,8 +216,12 @@ def update_inference_inputs(lm: LanguageModel, tables: TreeTables | None, state:
         last = path.gather(1, accepted[:, None])[:, 0]  # tree row of the last accepted node
         key = state.key
         prompt_rows = tables.node_prompt_rows[key][batch, last]  # [B, N * V]
-        prompt_hidden = hidden.gather(1, prompt_rows[..., None].expand(-1, -1, hidden.shape[-1]))
-        prompt_logits = average_copies(lm.logits(prompt_hidden), tables.num_prompt_tokens, tables.num_ensemble)
+        if row_logits is None:
+            prompt_hidden = hidden.gather(1, prompt_rows[..., None].expand(-1, -1, hidden.shape[-1]))
+            prompt_logits = lm.logits(prompt_hidden)
+        else:
+            prompt_logits = row_logits.gather(1, prompt_rows[..., None].expand(-1, -1, row_logits.shape[-1]))
+        prompt_logits = average_copies(prompt_logits, tables.num_prompt_tokens, tables.num_ensemble)
         state.guesses.copy_(prompt_logits.topk(tables.top_k, dim=-1).indices)
         state.key.copy_(torch.where(running, tables.node_prompt_count[key][batch, last], key))
         state.kv.compact(state.lengths[:, None] + path, state.lengths)
@@ -232,6 +240,8 @@ def decode_step(lm: LanguageModel, tables: TreeTables | None, prompt_embeds: tor
     rows = generate_candidates(lm, tables, prompt_embeds, state)
     hidden = tree_decoding(lm, state, rows, slot_ids)
     num_nodes = rows.node_tokens.shape[1]
-    node_logits = lm.logits(hidden[:, :num_nodes])  # [B, 1 + C, vocab]: the only logits acceptance reads
+    row_logits = lm.logits(hidden) if tables is not None and lm.one_head_pass else None
+    # [B, 1 + C, vocab]: the only logits acceptance reads
+    node_logits = lm.logits(hidden[:, :num_nodes]) if row_logits is None else row_logits[:, :num_nodes]
     path, accepted, new_root = evaluate_posterior(tables, state, rows, node_logits, kind)
-    update_inference_inputs(lm, tables, state, rows, hidden, path, accepted, new_root)
+    update_inference_inputs(lm, tables, state, rows, hidden, path, accepted, new_root, row_logits)
