@@ -97,8 +97,8 @@ def summarise(args: argparse.Namespace) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    def fmt(value, spec):
-        return "-" if value is None else format(value, spec)
+    def fmt(value, spec, unit=""):
+        return "-" if value is None else format(value, spec) + unit
 
     lines = ["| variant | capture | packed | answers | tokens/s | accept length | vs same-dtype baseline | "
              "vs reference | identical to same-dtype baseline | identical to reference |",
@@ -106,7 +106,7 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(f"| {r['variant']} | {r['capture']} | {r['packed_weights']} | {r['answers']} | "
                      f"{fmt(r['tokens_per_s'], '.1f')} | {fmt(r['accept_length'], '.2f')} | "
-                     f"{fmt(r['speedup_vs_dtype_baseline'], '.2f')}x | {fmt(r['speedup_vs_reference'], '.2f')}x | "
+                     f"{fmt(r['speedup_vs_dtype_baseline'], '.2f', 'x')} | {fmt(r['speedup_vs_reference'], '.2f', 'x')} | "
                      f"{fmt(r['identical_to_dtype_baseline'], '.0%')} | {fmt(r['identical_to_reference'], '.0%')} |")
     return "\n".join(lines)
 

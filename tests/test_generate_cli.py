@@ -91,8 +91,10 @@ def test_bad_inputs_get_one_line_errors(tmp_path, capsys):
         assert last.startswith("error: ") and message in last and "Traceback" not in err, (extra, err)
 
 
-def test_compare_prints_both_methods_side_by_side():
+def test_compare_prints_both_methods_side_by_side(capsys):
     """What `make demo` runs: the baseline and PPD on one prompt, with the speed-up and whether they agree."""
+    from application.generate import main
+
     proc = run("--prompt", "Explain in three sentences why the sky is blue.", "--max_new_tokens", "32", "--compare")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
@@ -100,7 +102,7 @@ def test_compare_prints_both_methods_side_by_side():
     ppd_line = next(line for line in out.splitlines() if line.startswith("| ppd | 32 |"))
     assert int(ppd_line.split("|")[3]) < int(base_line.split("|")[3]), "the prompt tokens should save steps"
     assert "speed-up of ppd over the baseline:" in out and "identical answers: yes" in out
-    proc = run("--prompt", "What is the capital of France?", "--max_new_tokens", "16", "--compare", "--json")
-    record = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert main(["--prompt", "What is the capital of France?", "--max_new_tokens", "16", "--compare", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert record["ppd"]["token_ids"] == record["baseline"]["token_ids"] and record["identical"]
     assert record["speedup"] == record["ppd"]["tokens_per_s"] / record["baseline"]["tokens_per_s"]
