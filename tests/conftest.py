@@ -85,5 +85,5 @@ def real_model():
     """The embedded default model (SmolLM2-135M-Instruct), float32 on CPU."""
     from ppd import load_model
 
-    model, tokenizer, info = load_model("smollm2-135m-instruct", device="cpu")
+    model, tokenizer, info = load_model("smollm2-135m-instruct", device="cpu", dtype="float32")
     return model, tokenizer, info
