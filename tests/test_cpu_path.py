@@ -108,8 +108,7 @@ def test_real_model_bf16_agrees_with_fp32_on_the_first_tokens(real_model):
     fp32_decoder = Decoder(model, tokens, eos_token_ids=eos_ids_of(model, tokenizer))
     bf16_decoder = Decoder(bf16, tokens_bf16, eos_token_ids=eos_ids_of(bf16, tokenizer))
     assert not bf16_decoder.packed and bf16_decoder.lm.one_head_pass
-    prompts = ["Explain in three sentences why the sky is blue.", "Name three uses of a hash map.",
-               "What is the capital of France?"]
+    prompts = ["Explain in three sentences why the sky is blue.", "What is the capital of France?"]
     for prompt in prompts:
         ids = chat_input_ids(tokenizer, [{"role": "user", "content": prompt}])
         config = DecodeConfig(max_new_tokens=12)

@@ -69,6 +69,7 @@ def test_shipped_adapter_and_its_device_trees_are_used_by_default():
     import argparse
 
     from ppd.cli import load_decoder
+    from ppd.models import resolve_dtype
     from ppd.prompt_tokens import packaged_adapter
     from ppd.tree import TreeSet
 
@@ -80,8 +81,12 @@ def test_shipped_adapter_and_its_device_trees_are_used_by_default():
     assert TreeSet.for_adapter(shipped, "mps") is None
     args = argparse.Namespace(model="smollm2-135m-instruct", device="cpu", dtype=None, adapter=None, tree=None)
     loaded = load_decoder(args)
-    assert loaded.adapter == "shipped:smollm2-135m-instruct" and loaded.tree.endswith("tree_cpu.json")
-    assert loaded.decoder.trees == TreeSet.for_adapter(shipped, "cpu")
+    # The tree for this CPU's default dtype where the adapter ships one (tree_cpu_float32.json), else tree_cpu.json.
+    dtype = str(resolve_dtype(None, torch.device("cpu"))).removeprefix("torch.")
+    expected = TreeSet.adapter_file(shipped, "cpu", dtype)
+    assert expected.name in (f"tree_cpu_{dtype}.json", "tree_cpu.json")
+    assert loaded.adapter == "shipped:smollm2-135m-instruct" and loaded.tree.endswith(expected.name)
+    assert loaded.decoder.trees == TreeSet.for_adapter(shipped, "cpu", dtype)
 
 
 def test_a_tree_for_the_dtype_comes_before_the_device_tree(tmp_path):
