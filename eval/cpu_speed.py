@@ -29,7 +29,7 @@ from ppd.cli import load_decoder_or_exit
 from . import gen_answers
 from .benchmarks import BENCHMARKS
 from .records import write_summary
-from .report import read_records
+from .report import identical_share, read_records, speed_totals
 
 REFERENCE = "reference"
 
@@ -64,30 +64,17 @@ def answers_path(args: argparse.Namespace, variant: str) -> Path:
     return Path(args.output_dir) / "answers" / f"{args.bench}-{variant}.jsonl"
 
 
-def _identical(records: list[dict], others: list[dict]) -> float | None:
-    """Share of ``records`` whose tokens equal the answer to the same question and turn in ``others``."""
-    tokens = {(r["question_id"], r["turn"]): r["token_ids"] for r in others}
-    pairs = [(r["token_ids"], tokens.get((r["question_id"], r["turn"]))) for r in records]
-    pairs = [(a, b) for a, b in pairs if b is not None]
-    return sum(a == b for a, b in pairs) / len(pairs) if pairs else None
-
-
 def summarise(args: argparse.Namespace) -> list[dict]:
     records = {variant: read_records([str(answers_path(args, variant))]) for variant, _, _ in planned_runs(args)}
     rows = []
     for variant, group, _ in planned_runs(args):
         mine = records[variant]
-        new_tokens, steps = sum(r["new_tokens"] for r in mine), sum(r["steps"] for r in mine)
-        wall = sum(r["wall_time_s"] for r in mine)
-        rows.append({"variant": variant, "dtype": mine[0]["dtype"] if mine else None, "answers": len(mine),
-                     "capture": mine[0].get("capture") if mine else None,
-                     "packed_weights": mine[0].get("packed_weights") if mine else None,
-                     "new_tokens": new_tokens, "steps": steps, "wall_time_s": wall,
-                     "tokens_per_s": new_tokens / wall if wall else None,
-                     "accept_length": new_tokens / steps if steps else None,
-                     "environment": mine[0].get("environment") if mine else None,
-                     "identical_to_dtype_baseline": _identical(mine, records.get(f"{group}_baseline", [])),
-                     "identical_to_reference": _identical(mine, records[REFERENCE])})
+        first = mine[0] if mine else {}
+        rows.append({"variant": variant, "dtype": first.get("dtype"), "capture": first.get("capture"),
+                     "packed_weights": first.get("packed_weights"), **speed_totals(mine),
+                     "environment": first.get("environment"),
+                     "identical_to_dtype_baseline": identical_share(mine, records.get(f"{group}_baseline", []))[0],
+                     "identical_to_reference": identical_share(mine, records[REFERENCE])[0]})
     speed = {r["variant"]: r["tokens_per_s"] for r in rows}
     for row, (variant, group, _) in zip(rows, planned_runs(args)):
         base, ref = speed.get(f"{group}_baseline"), speed[REFERENCE]

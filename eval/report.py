@@ -73,6 +73,25 @@ def _key(record: dict) -> tuple:
     return record["question_id"], record["turn"], record.get("run", 0)
 
 
+def speed_totals(records: list[dict]) -> dict:
+    """Answers, new tokens, decoding steps and wall seconds of a set of answers, with their tokens/s (sum of
+    new tokens / sum of wall time) and accept length (new tokens / steps)."""
+    tokens = sum(r["new_tokens"] for r in records)
+    steps = sum(r["steps"] for r in records)
+    wall = sum(r["wall_time_s"] for r in records)
+    return {"answers": len(records), "new_tokens": tokens, "steps": steps, "wall_time_s": wall,
+            "tokens_per_s": tokens / wall if wall else None, "accept_length": tokens / steps if steps else None}
+
+
+def identical_share(records: list[dict], reference: list[dict]) -> tuple[float | None, int]:
+    """The share of ``records`` token-identical to ``reference``'s answer to the same question, turn and run
+    (``None`` where none has one there), and how many had one."""
+    tokens = {_key(r): r["token_ids"] for r in reference}
+    compared = [r for r in records if _key(r) in tokens]
+    share = sum(r["token_ids"] == tokens[_key(r)] for r in compared) / len(compared) if compared else None
+    return share, len(compared)
+
+
 def _dtype(record: dict) -> str:
     """Records of runs before dtypes were recorded say nothing: they form their own group ("-")."""
     return record.get("dtype") or "-"
@@ -139,12 +158,7 @@ def summarise(records: list[dict], timeout_s: float = 10.0, sources: list[str] |
         groups[(record["bench"], _dtype(record), record["method"])].append(record)
     rows = []
     for (bench, dtype, method), group in groups.items():
-        tokens = sum(r["new_tokens"] for r in group)
-        wall = sum(r["wall_time_s"] for r in group)
-        steps = sum(r["steps"] for r in group)
-        rows.append({"bench": bench, "dtype": dtype, "method": method, "answers": len(group), "new_tokens": tokens,
-                     "wall_time_s": wall, "tokens_per_s": tokens / wall if wall else None,
-                     "accept_length": tokens / steps if steps else None,
+        rows.append({"bench": bench, "dtype": dtype, "method": method, **speed_totals(group),
                      "startup_s": max((r.get("startup_s") or 0.0) for r in group),
                      "quality": quality(bench, group, timeout_s),
                      **{field: recorded(group[0], field) for field in SHARED_SETTINGS + METHOD_SETTINGS}})
@@ -155,11 +169,8 @@ def summarise(records: list[dict], timeout_s: float = 10.0, sources: list[str] |
             other = same.get(reference)
             row[f"speedup_vs_{reference}"] = (row["tokens_per_s"] / other["tokens_per_s"]
                                               if other and other["tokens_per_s"] and row["tokens_per_s"] else None)
-        baseline = {_key(r): r["token_ids"] for r in groups.get((*setting, "baseline"), [])}
-        mine = [r for r in groups[(*setting, row["method"])] if _key(r) in baseline]
-        row["identical_to_baseline"] = (sum(r["token_ids"] == baseline[_key(r)] for r in mine) / len(mine)
-                                        if mine else None)
-        row["compared_with_baseline"] = len(mine)
+        row["identical_to_baseline"], row["compared_with_baseline"] = identical_share(
+            groups[(*setting, row["method"])], groups.get((*setting, "baseline"), []))
     order = {m: i for i, m in enumerate(METHOD_ORDER)}
     return sorted(rows, key=lambda r: (r["bench"], r["dtype"], order.get(r["method"], len(order)), r["method"]))
 

@@ -31,7 +31,7 @@ from ppd.config import DecodeConfig
 from . import gen_answers
 from .benchmarks import BENCHMARKS
 from .records import write_summary
-from .report import read_records
+from .report import read_records, speed_totals
 
 # name -> (gen_answers method, acceptance); greedy runs have no acceptance rule.
 VARIANTS = {"baseline": ("baseline", "lossless"), "ppd_lossless": ("ppd", "lossless"),
@@ -77,12 +77,7 @@ def gen_answers_argv(args: argparse.Namespace, temperature: float, method: str, 
 
 def totals(path: Path) -> dict:
     records = read_records([str(path)])
-    new_tokens = sum(r["new_tokens"] for r in records)
-    steps = sum(r["steps"] for r in records)
-    wall = sum(r["wall_time_s"] for r in records)
-    return {"answers": len(records), "new_tokens": new_tokens, "steps": steps, "wall_time_s": wall,
-            "tokens_per_s": new_tokens / wall if wall else None, "accept_length": new_tokens / steps if steps else None,
-            "environment": records[0].get("environment") if records else None,
+    return {**speed_totals(records), "environment": records[0].get("environment") if records else None,
             "dtype": records[0].get("dtype") if records else None}
 
 

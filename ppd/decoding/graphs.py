@@ -112,7 +112,6 @@ class StepRunner:
         self.mode = mode
         self.device = device
         self.packed = list(packed)  # the model's packed linear layers, if it has them
-        self._packed_rows: set[int] = set()
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple]] = {}
         self._static: set[int] = set()  # states whose buffers torch's own CUDA graphs may treat as fixed
         self._pool = None
@@ -153,10 +152,10 @@ class StepRunner:
         """Pack the weights for the rows of this step's forward (every batch row's tree rows), once per count.
         One row runs with the plain weights, which are as fast there."""
         rows = state.batch_size * (tables.num_rows if tables is not None else 1)
-        if rows > 1 and self.packed and rows not in self._packed_rows:
+        # The layers are packed in order, so the last one has this count only once every layer has it.
+        if rows > 1 and self.packed and rows not in self.packed[-1].packs:
             for layer in self.packed:
                 layer.pack(rows)
-            self._packed_rows.add(rows)
 
     def prepare(self, tables, prompt_embeds, state: DecodeState, kind: StepKind, widths: list[int]) -> None:
         """Do ahead of time what the first steps of this kind would do: capture a graph for every width, or,
