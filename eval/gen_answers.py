@@ -1,7 +1,7 @@
 """Answer a benchmark with one decoding method and record every answer's tokens and timing (JSONL).
 
 Usage:
-    python -m eval.gen_answers --bench mt_bench --method ppd --model smollm2-135m-instruct \\
+    python -m eval.gen_answers (--bench mt_bench | --question_file FILE) --method ppd --model smollm2-135m-instruct \\
         [--adapter DIR] [--tree FILE] [--temperature 0] [--top_p P] [--top_k K] [--acceptance lossless|typical] \\
         [--max_new_tokens N] [--offset S] [--limit K] [--num_runs R] --output results/answers/mt_bench-ppd.jsonl
 
@@ -9,6 +9,10 @@ Methods: ``ppd`` (prompt tokens + tree), ``baseline`` (the same engine, one toke
 ``hf_static`` (transformers ``generate`` with ``cache_implementation="static"``, which compiles the
 decoding forward), ``hf`` (transformers ``generate``, eager) and ``pld`` (transformers prompt lookup,
 ``prompt_lookup_num_tokens``). MT-Bench runs both turns, the second after the model's own first answer.
+``--question_file`` answers an MT-Bench-format JSONL file instead (``question_id``, ``category``, ``turns``,
+optionally ``reference``; as FastChat and Spec-Bench write them; see ``eval.benchmarks``), every turn after
+the model's own answers to the turns before it. Its answers are labelled with the file's name (as ``bench``)
+and carry ``question_file`` and ``question_file_sha256``; every answer carries its question's ``category``.
 With ``--temperature`` above 0 every method samples (top-p and top-k as given); ppd verifies its guesses
 losslessly unless ``--acceptance typical`` asks for typical acceptance.
 
@@ -18,9 +22,10 @@ and every method then runs ``--warmup`` untimed generations of the first prompt.
 up on a prompt twice as long, so that torch has made the cache length dynamic before timing (transformers
 grows its static cache to the longest request seen). One JSON line per question, turn and run, appended as
 it is made: a run started again with the same ``--output`` skips what is already there. It must ask for the
-answers' settings (benchmark, method, model, adapter, tree, dtype, temperature, max_new_tokens and device;
-the capture mode may change): a file of other answers is an error, not a mix. Those that the arguments
-give are checked before the model loads, the adapter, tree, dtype and device once it has.
+answers' settings (benchmark or question file and its content, method, model, adapter, tree, dtype,
+temperature, max_new_tokens and device; the capture mode may change): a file of other answers is an error,
+not a mix. Those that the arguments give are checked before the model loads, the adapter, tree, dtype and
+device once it has.
 """
 
 from __future__ import annotations
@@ -39,7 +44,8 @@ from ppd.cli import Loaded, add_adapter_args, add_engine_args, add_model_args, l
 from ppd.config import DecodeConfig
 from ppd.decoder import eos_ids_of
 
-from .benchmarks import BENCHMARKS, DEFAULT_MAX_NEW_TOKENS, RAW_PROMPT, load_benchmark
+from .benchmarks import (BENCHMARKS, DEFAULT_MAX_NEW_TOKENS, QUESTION_FILE_MAX_NEW_TOKENS, RAW_PROMPT, Question,
+                         QuestionFileError, load_benchmark, load_question_file)
 from .records import environment, recorded
 
 METHODS = ("ppd", "baseline", "hf_static", "hf", "pld")
@@ -48,7 +54,10 @@ ENGINE_METHODS = ("ppd", "baseline")  # decoded by ppd's engine; the others by t
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m eval.gen_answers", description=__doc__.split("\n")[0])
-    parser.add_argument("--bench", required=True, choices=BENCHMARKS)
+    questions = parser.add_mutually_exclusive_group(required=True)
+    questions.add_argument("--bench", choices=BENCHMARKS, help="a built-in benchmark")
+    questions.add_argument("--question_file", metavar="FILE",
+                           help="MT-Bench-format JSONL (question_id, category, turns[, reference]), e.g. Spec-Bench's")
     parser.add_argument("--method", required=True, choices=METHODS)
     add_model_args(parser)
     add_adapter_args(parser)
@@ -177,6 +186,15 @@ def prompt_ids(tokenizer, bench: str, messages: list[dict]) -> list[int]:
     return chat_input_ids(tokenizer, messages)
 
 
+def questions_of(args: argparse.Namespace) -> tuple[str, list[Question], dict]:
+    """The label of the answers (the benchmark, or the question file's name), the questions, and the fields that
+    name a question file in every record (none for a built-in benchmark); raises QuestionFileError."""
+    if args.bench:
+        return args.bench, load_benchmark(args.bench), {}
+    source = load_question_file(args.question_file)
+    return source.name, source.questions, {"question_file": source.name, "question_file_sha256": source.sha256}
+
+
 def _compiled_graphs() -> int:
     """Graphs torch.compile has made so far in this process (a timed answer that compiles says so)."""
     from torch._dynamo.utils import counters
@@ -221,20 +239,27 @@ def main(argv: list[str] | None = None, loaded: Loaded | None = None) -> int:
     args = parser.parse_args(argv)
     if args.num_runs < 1 or args.warmup < 0 or args.offset < 0 or (args.limit is not None and args.limit < 1):
         parser.error("--num_runs and --limit must be >= 1, --warmup and --offset >= 0")
-    max_new_tokens = args.max_new_tokens or DEFAULT_MAX_NEW_TOKENS[args.bench]
+    max_new_tokens = args.max_new_tokens or (DEFAULT_MAX_NEW_TOKENS[args.bench] if args.bench
+                                             else QUESTION_FILE_MAX_NEW_TOKENS)
     try:  # the decoding settings every method shares, checked before anything loads
         sampling_config(args, max_new_tokens)
     except ValueError as error:
         parser.error(str(error))
-    questions = load_benchmark(args.bench)
+    try:
+        bench, questions, source = questions_of(args)
+    except QuestionFileError as error:
+        print(f"gen_answers: error: {error}", file=sys.stderr)
+        return 2
+    # A question file is asked through the chat template, as MT-Bench is (never as raw completion prompts).
+    prompt_kind = args.bench or "question_file"
     if args.offset >= len(questions):
-        parser.error(f"--offset {args.offset} is past the {len(questions)} questions of {args.bench}")
+        parser.error(f"--offset {args.offset} is past the {len(questions)} questions of {bench}")
     end = None if args.limit is None else args.offset + args.limit
     questions = questions[args.offset:end]
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     done = _done(output)
-    wanted = {"bench": args.bench, "method": args.method, "model": args.model, "temperature": args.temperature,
+    wanted = {"bench": bench, **source, "method": args.method, "model": args.model, "temperature": args.temperature,
               "max_new_tokens": max_new_tokens, **sampling_fields(args)}
     if problem := _other_settings(output, done.values(), wanted):  # checked before the model loads
         print(f"gen_answers: error: {problem}", file=sys.stderr)
@@ -251,7 +276,7 @@ def main(argv: list[str] | None = None, loaded: Loaded | None = None) -> int:
         return 2
 
     answerer.start()
-    first = prompt_ids(answerer.tokenizer, args.bench, turn_messages(questions[0].turns, []))
+    first = prompt_ids(answerer.tokenizer, prompt_kind, turn_messages(questions[0].turns, []))
     for _ in range(args.warmup):
         answerer.answer(first, min(max_new_tokens, 64))
     if args.method == "hf_static" and args.warmup:
@@ -269,10 +294,11 @@ def main(argv: list[str] | None = None, loaded: Loaded | None = None) -> int:
                     if key in done:
                         record = done[key]
                     else:
-                        ids = prompt_ids(answerer.tokenizer, args.bench, turn_messages(question.turns, answers))
+                        ids = prompt_ids(answerer.tokenizer, prompt_kind, turn_messages(question.turns, answers))
                         result = answerer.answer(ids, max_new_tokens)
                         record = {
-                            "bench": args.bench, "question_id": question.question_id, "turn": turn, "run": run,
+                            "bench": bench, **source, "question_id": question.question_id,
+                            "category": question.category, "turn": turn, "run": run,
                             "method": args.method, "model": args.model, "adapter": answerer.adapter,
                             "tree": answerer.tree, "dtype": answerer.dtype,
                             "capture": args.capture if args.method in ENGINE_METHODS else None,
@@ -293,7 +319,7 @@ def main(argv: list[str] | None = None, loaded: Loaded | None = None) -> int:
                     answers.append(record["text"])
                     bar.update(1)
     if steps:
-        print(f"{args.bench} / {args.method}: {new_tokens} new tokens in {wall:.1f} s = {new_tokens / wall:.1f} "
+        print(f"{bench} / {args.method}: {new_tokens} new tokens in {wall:.1f} s = {new_tokens / wall:.1f} "
               f"tokens/s, accept length {new_tokens / steps:.2f} (this run's answers)")
     return 0
 

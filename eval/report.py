@@ -7,14 +7,20 @@ Per benchmark, dtype and method: answers, tokens/s (sum of new tokens / sum of w
 (new tokens / decoding steps), speed-up over ``hf_static`` (the strongest transformers baseline),
 ``baseline``, ``hf`` and ``pld`` on the same benchmark in the same dtype, the share of answers
 token-identical to the baseline's (same question, turn and run), HumanEval pass@1 (every completion run
-against its tests in its own process, with a time limit) and GSM8K accuracy.
+against its tests in its own process, with a time limit) and GSM8K accuracy. Where questions have categories
+(MT-Bench's, Alpaca Eval's source sets, those of a question file), the same speed figures per category too
+(``categories`` in report.json, a second table in report.md); answers of runs that did not record their
+category take it from their built-in benchmark.
+
+Answers of a question file (``eval.gen_answers --question_file``) are labelled with the file's name as their
+benchmark; answers of files with the same name but other contents are not compared or averaged.
 
 Only like is compared with like: within one benchmark and dtype, every method's answers must come from the
-same model, temperature, max_new_tokens and device, and within one method also from the same adapter and
-tree (PPD brings prompt tokens and a tree, the other methods have none). Answers that differ in any of these
-are refused with an error naming the field, its values and their files; a field that records of an earlier
-run lack counts as the value "unknown". Give such answers to separate reports. Input without answers (no
-file, only empty files) is an error too.
+same model, temperature, max_new_tokens, device and question file (name and content), and within one method
+also from the same adapter and tree (PPD brings prompt tokens and a tree, the other methods have none).
+Answers that differ in any of these are refused with an error naming the field, its values and their files;
+a field that records of an earlier run lack counts as the value "unknown". Give such answers to separate
+reports. Input without answers (no file, only empty files) is an error too.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .benchmarks import load_benchmark
+from .benchmarks import BENCHMARKS, load_benchmark
 from .grading import gsm8k_correct, humaneval_completion, humaneval_passes
 from .records import recorded, write_json
 
@@ -35,6 +41,8 @@ SPEEDUP_REFERENCES = ("hf_static", "baseline", "hf", "pld")
 # What answers must share to be compared: all methods of one benchmark and dtype, and the answers of one method.
 # The capture mode may differ (every mode decodes the same tokens; resumed shards have switched it).
 SHARED_SETTINGS = ("model", "temperature", "max_new_tokens", "device")
+# Shared too: which question file, and its content (answers of built-in benchmarks have none).
+QUESTION_FILE_SETTINGS = ("question_file", "question_file_sha256")
 METHOD_SETTINGS = ("adapter", "tree")
 
 
@@ -112,9 +120,9 @@ def _one_value(answers: list[tuple[dict, str]], fields: tuple[str, ...], where: 
         if len(files) > 1:
             values = "; ".join(f"{value!r} in {_names(names)}" for value, names in files.items())
             raise ValueError(f"{where} mixes answers made with different {field}: {values}. Only answers with the "
-                             "same model, temperature, max_new_tokens and device per benchmark and dtype, and the "
-                             "same adapter and tree per method, are averaged or compared: give these to separate "
-                             "reports")
+                             "same model, temperature, max_new_tokens, device and question file per benchmark and "
+                             "dtype, and the same adapter and tree per method, are averaged or compared: give these "
+                             "to separate reports")
 
 
 def check_settings(records: list[dict], sources: list[str]) -> None:
@@ -125,14 +133,15 @@ def check_settings(records: list[dict], sources: list[str]) -> None:
     for (bench, dtype), answers in by_bench.items():
         where = bench if dtype == "-" else f"{bench} in {dtype}"
         for method in sorted({record["method"] for record, _ in answers}):
-            _one_value([a for a in answers if a[0]["method"] == method], SHARED_SETTINGS + METHOD_SETTINGS,
-                       f"{method} on {where}")
-        _one_value(answers, SHARED_SETTINGS, where)
+            _one_value([a for a in answers if a[0]["method"] == method],
+                       SHARED_SETTINGS + QUESTION_FILE_SETTINGS + METHOD_SETTINGS, f"{method} on {where}")
+        _one_value(answers, SHARED_SETTINGS + QUESTION_FILE_SETTINGS, where)
 
 
 def quality(bench: str, records: list[dict], timeout_s: float) -> float | None:
-    """HumanEval pass@1 or GSM8K accuracy of these answers (first runs only); None for other benchmarks."""
-    if bench not in ("humaneval", "gsm8k"):
+    """HumanEval pass@1 or GSM8K accuracy of these answers (first runs only); None for other benchmarks and for
+    question files."""
+    if bench not in ("humaneval", "gsm8k") or any(r.get("question_file") for r in records):
         return None
     questions = {q.question_id: q for q in load_benchmark(bench)}
     first = [r for r in records if r.get("run", 0) == 0 and r["turn"] == 0]
@@ -161,34 +170,85 @@ def summarise(records: list[dict], timeout_s: float = 10.0, sources: list[str] |
         rows.append({"bench": bench, "dtype": dtype, "method": method, **speed_totals(group),
                      "startup_s": max((r.get("startup_s") or 0.0) for r in group),
                      "quality": quality(bench, group, timeout_s),
-                     **{field: recorded(group[0], field) for field in SHARED_SETTINGS + METHOD_SETTINGS}})
+                     **{field: recorded(group[0], field) for field in SHARED_SETTINGS + METHOD_SETTINGS},
+                     **{field: group[0].get(field) for field in QUESTION_FILE_SETTINGS}})
+    _compare(rows, groups, ("bench", "dtype"))
+    order = {m: i for i, m in enumerate(METHOD_ORDER)}
+    return sorted(rows, key=lambda r: (r["bench"], r["dtype"], order.get(r["method"], len(order)), r["method"]))
+
+
+def _compare(rows: list[dict], groups: dict[tuple, list[dict]], setting: tuple[str, ...]) -> None:
+    """Add to each row its speed-up over every reference method and its share of answers identical to the
+    baseline's, among the rows with the same values of the ``setting`` fields; ``groups``: each row's answers,
+    by those values and the method."""
     for row in rows:
-        setting = (row["bench"], row["dtype"])
-        same = {r["method"]: r for r in rows if (r["bench"], r["dtype"]) == setting}
+        same = {r["method"]: r for r in rows if all(r[f] == row[f] for f in setting)}
         for reference in SPEEDUP_REFERENCES:
             other = same.get(reference)
             row[f"speedup_vs_{reference}"] = (row["tokens_per_s"] / other["tokens_per_s"]
                                               if other and other["tokens_per_s"] and row["tokens_per_s"] else None)
+        values = tuple(row[f] for f in setting)
         row["identical_to_baseline"], row["compared_with_baseline"] = identical_share(
-            groups[(*setting, row["method"])], groups.get((*setting, "baseline"), []))
+            groups[(*values, row["method"])], groups.get((*values, "baseline"), []))
+
+
+def categories_of(records: list[dict]) -> list[str]:
+    """Each record's question category: as recorded, else (answers of runs that did not record it) its built-in
+    benchmark's, else "" (none)."""
+    known: dict[str, dict[str, str]] = {}
+    categories = []
+    for record in records:
+        if "category" in record:
+            categories.append(record["category"] or "")
+            continue
+        bench = record["bench"]
+        if bench not in known:
+            known[bench] = {}
+            if bench in BENCHMARKS and not record.get("question_file"):
+                try:
+                    known[bench] = {q.question_id: q.category for q in load_benchmark(bench)}
+                except FileNotFoundError:  # its package is not installed here: no categories
+                    pass
+        categories.append(known[bench].get(str(record["question_id"]), ""))
+    return categories
+
+
+def summarise_categories(records: list[dict]) -> list[dict]:
+    """One row per benchmark, dtype, category and method, for the benchmarks and dtypes whose questions have
+    categories: answers, tokens/s, accept length, speed-ups over the same category's reference methods and
+    the identical-to-baseline share. Check the answers' settings first (:func:`summarise` does)."""
+    groups: dict[tuple[str, str, str, str], list[dict]] = defaultdict(list)
+    for record, category in zip(records, categories_of(records)):
+        groups[(record["bench"], _dtype(record), category, record["method"])].append(record)
+    with_categories = {(bench, dtype) for bench, dtype, category, _ in groups if category}
+    rows = [{"bench": bench, "dtype": dtype, "category": category, "method": method, **speed_totals(group)}
+            for (bench, dtype, category, method), group in groups.items() if (bench, dtype) in with_categories]
+    _compare(rows, groups, ("bench", "dtype", "category"))
     order = {m: i for i, m in enumerate(METHOD_ORDER)}
-    return sorted(rows, key=lambda r: (r["bench"], r["dtype"], order.get(r["method"], len(order)), r["method"]))
+    return sorted(rows, key=lambda r: (r["bench"], r["dtype"], r["category"], order.get(r["method"], len(order)),
+                                       r["method"]))
 
 
 def _fmt(value, pattern: str) -> str:
     return "-" if value is None else pattern.format(value)
 
 
-def markdown(rows: list[dict]) -> str:
+def markdown(rows: list[dict], by_category: bool = False) -> str:
+    """The table of :func:`summarise`'s rows, or (``by_category``) of :func:`summarise_categories`' rows,
+    which have a category column and no quality column ("" when there are none)."""
+    if not rows:
+        return ""
     vs = " | ".join(f"vs {m}" for m in SPEEDUP_REFERENCES)
-    lines = [f"| benchmark | dtype | method | answers | tokens/s | accept length | {vs} "
-             "| identical to baseline | pass@1 / accuracy |", "|" + "---|" * (8 + len(SPEEDUP_REFERENCES))]
+    category = "category | " if by_category else ""
+    quality = "" if by_category else " pass@1 / accuracy |"
+    lines = [f"| benchmark | dtype | {category}method | answers | tokens/s | accept length | {vs} "
+             f"| identical to baseline |{quality}", "|" + "---|" * (8 + len(SPEEDUP_REFERENCES))]
     for r in rows:
         speedups = " | ".join(_fmt(r[f"speedup_vs_{m}"], "{:.2f}x") for m in SPEEDUP_REFERENCES)
-        lines.append(
-            f"| {r['bench']} | {r['dtype']} | {r['method']} | {r['answers']} | {_fmt(r['tokens_per_s'], '{:.1f}')} | "
-            f"{_fmt(r['accept_length'], '{:.2f}')} | {speedups} | {_fmt(r['identical_to_baseline'], '{:.1%}')} | "
-            f"{_fmt(r['quality'], '{:.1%}')} |")
+        cells = [r["bench"], r["dtype"], *([r["category"] or "-"] if by_category else []), r["method"],
+                 str(r["answers"]), _fmt(r["tokens_per_s"], "{:.1f}"), _fmt(r["accept_length"], "{:.2f}"), speedups,
+                 _fmt(r["identical_to_baseline"], "{:.1%}"), *([] if by_category else [_fmt(r["quality"], "{:.1%}")])]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -223,16 +283,19 @@ def main(argv: list[str] | None = None) -> int:
         if not records:
             raise ValueError(f"no answers in {_names(args.files)}: nothing to report")
         rows = summarise(records, args.timeout_s, sources)
+        categories = summarise_categories(records)
     except (ValueError, KeyError) as error:
         print(f"report: error: {error}", file=sys.stderr)
         return 2
     table = markdown(rows)
+    if categories:
+        table += "\nPer category:\n\n" + markdown(categories, by_category=True)
     print(table, end="")
     if args.output_dir:
         out = Path(args.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "report.md").write_text(table)
-        write_json(out / "report.json", {"files": args.files, "rows": rows})
+        write_json(out / "report.json", {"files": args.files, "rows": rows, "categories": categories})
         chart(rows, out / "report.png")
     return 0
 
