@@ -8,6 +8,7 @@ greedy decoding.
 from .config import Acceptance, AttentionType, CaptureMode, DecodeConfig, DecodeMethod, PromptTokenConfig
 from .decoder import Decoder, GenerationOutput, PromptTooLongError, StepOutput, eos_ids_of
 from .models import DEFAULT_MODEL, EMBEDDED_MODELS, ModelInfo, load_model, load_tokenizer
+from .ppd_model import PPDModel
 from .prompt_tokens import AdapterMismatchError, PromptTokens
 from .tree import Tree, TreeBuffers, TreeSet
 
@@ -25,6 +26,7 @@ __all__ = [
     "EMBEDDED_MODELS",
     "GenerationOutput",
     "ModelInfo",
+    "PPDModel",
     "PromptTokenConfig",
     "PromptTokens",
     "PromptTooLongError",

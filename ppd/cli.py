@@ -12,11 +12,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import CaptureMode, DecodeConfig, PromptTokenConfig
+from .config import CaptureMode, DecodeConfig
 from .decoder import Decoder, eos_ids_of
+from .adapter import AdapterFiles, TreeChoice
 from .models import DEFAULT_MODEL, ModelInfo, load_model
-from .policy import BatchPolicy
-from .prompt_tokens import PromptTokens, packaged_adapter
 from .tree import TreeSet
 
 logger = logging.getLogger(__name__)
@@ -29,6 +28,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on a GPU and on a CPU "
                        "with bf16 instructions, else fp32)")
     group.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
+    group.add_argument("--chat_template", default="auto",
+                       help="how conversations are rendered: auto (the model's chat template, else a plain "
+                            "'User:/Assistant:' transcript for a base model), plain, none (raw text only) or a "
+                            "Jinja file (default: %(default)s)")
     quant = group.add_mutually_exclusive_group()
     quant.add_argument("--load_in_4bit", action="store_true", help="NF4 base model via bitsandbytes (GPU)")
     quant.add_argument("--load_in_8bit", action="store_true", help="8-bit base model via bitsandbytes (GPU)")
@@ -37,8 +40,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 def add_adapter_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("prompt tokens")
     group.add_argument("--adapter", default=None,
-                       help="adapter directory with the prompt tokens (default: the one shipped for the model, "
-                            "else freshly initialised prompt tokens)")
+                       help="adapter with the prompt tokens: a folder or a hub id 'org/name[@revision]' (default: "
+                            "the one shipped for the model, else freshly initialised prompt tokens)")
+    group.add_argument("--adapter_revision", default=None,
+                       help="branch, tag or commit of a hub adapter (default: main)")
     group.add_argument("--tree", default=None, help="tree set JSON, used at every batch size (default: the adapter's "
                                                       "batch policy or tree for this device type and dtype if it ships "
                                                       "one, else the packaged default.json)")
@@ -92,50 +97,30 @@ class Loaded:
     tree: str = "none"  # where the tree set (or batch policy) came from
 
 
-def default_prompt_tokens(model, tokenizer, info: ModelInfo) -> tuple[PromptTokens, str, Path | None]:
-    """The prompt tokens for ``model`` when no adapter is named (the shipped ones, or freshly initialised
-    ones), a description of their source, and their directory (``None`` when freshly initialised)."""
-    shipped = packaged_adapter(info.model_id)
-    if shipped is not None:
-        return PromptTokens.from_pretrained(shipped, model), f"shipped:{shipped.name}", shipped
-    logger.warning("no adapter given and none shipped for %s: using untrained prompt tokens "
-                   "(output is unchanged, decoding is just slower)", info.model_id)
-    config = PromptTokenConfig(base_model=info.model_id, base_model_revision=info.revision)
-    return PromptTokens.from_text(model, tokenizer, config), "untrained", None
-
-
 def load_decoder(args: argparse.Namespace, with_prompt_tokens: bool = True) -> Loaded:
     """The model, its prompt tokens and tree set as the common flags ask, in one decoder. What the user
-    names is read first (``--adapter``, ``--tree``), so that a bad file fails before the model loads."""
+    names is read first (``--adapter``, ``--tree``), so that a bad file or an unreachable hub id fails
+    before the model loads."""
     adapter = getattr(args, "adapter", None) if with_prompt_tokens else None
     tree = getattr(args, "tree", None) if with_prompt_tokens else None
-    given_tokens = PromptTokens.from_pretrained(adapter) if adapter else None
+    given = AdapterFiles.read(adapter, getattr(args, "adapter_revision", None)) if adapter else None
     given_trees = TreeSet.load(tree) if tree else None
     model, tokenizer, info = load_model(
         args.model, device=args.device, dtype=args.dtype,
         load_in_4bit=getattr(args, "load_in_4bit", False), load_in_8bit=getattr(args, "load_in_8bit", False),
+        chat_template=getattr(args, "chat_template", "auto"),
     )
-    prompt_tokens, source, adapter_dir, trees, tree_source, policy = None, "none", None, None, "none", None
+    files, choice = None, TreeChoice(None, None, "none")
     if with_prompt_tokens:
-        if given_tokens is not None:
-            given_tokens.check_compatible(model)
-            prompt_tokens, source, adapter_dir = given_tokens, str(Path(adapter)), Path(adapter)
-        else:
-            prompt_tokens, source, adapter_dir = default_prompt_tokens(model, tokenizer, info)
-        weight = model.get_input_embeddings().weight
-        device_type, dtype = weight.device.type, str(weight.dtype).removeprefix("torch.")
-        if given_trees is not None:
-            trees, tree_source = given_trees, str(tree)
-        elif adapter_dir is not None and (path := BatchPolicy.adapter_file(adapter_dir, device_type, dtype)):
-            policy, tree_source = BatchPolicy.load(path), f"{source}:{path.name}"
-        elif adapter_dir is not None and (path := TreeSet.adapter_file(adapter_dir, device_type, dtype)) is not None:
-            trees, tree_source = TreeSet.load(path), f"{source}:{path.name}"
-        else:
-            tree_source = "packaged:default.json"
-    decoder = Decoder(model, prompt_tokens, trees, eos_token_ids=eos_ids_of(model, tokenizer),
-                      max_seq_len=getattr(args, "max_seq_len", None), policy=policy,
+        if given is not None:
+            given.prompt_tokens.check_compatible(model)
+        files = given or AdapterFiles.default_for(model, tokenizer, info)
+        choice = TreeChoice.for_model(model, files, given_trees, str(tree))
+    decoder = Decoder(model, files.prompt_tokens if files else None, choice.trees,
+                      eos_token_ids=eos_ids_of(model, tokenizer), max_seq_len=getattr(args, "max_seq_len", None),
+                      policy=choice.policy,
                       packed_weights=False if getattr(args, "packed_weights", "auto") == "off" else None)
-    return Loaded(model, tokenizer, info, decoder, source, tree_source)
+    return Loaded(model, tokenizer, info, decoder, files.source if files else "none", choice.source)
 
 
 # What a model, adapter or tree set that cannot be loaded as asked raises: a missing or damaged file, a hub

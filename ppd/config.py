@@ -11,6 +11,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+# EOS ids one decoding row checks its tokens against (a fixed width, so that the step compiles once).
+MAX_EOS_IDS = 8
 # Bumped when the on-disk adapter layout changes in a way older readers cannot follow.
 ADAPTER_FORMAT_VERSION = 1
 
@@ -123,6 +125,8 @@ class DecodeConfig:
     posterior_threshold: float = field(default=0.09, metadata={"help": "Typical acceptance: hard threshold."})
     posterior_alpha: float = field(default=0.3, metadata={"help": "Typical acceptance: entropy-scaled threshold."})
     stop_on_eos: bool = field(default=True, metadata={"help": "Stop a sequence at the tokenizer's EOS ids."})
+    eos_token_ids: tuple[int, ...] | None = field(default=None, metadata={
+        "help": "The EOS ids of this call, instead of the decoder's (the model's and tokenizer's)."})
     seed: int | None = field(default=None, metadata={"help": "Seed of the sampling generator."})
     capture: CaptureMode = field(
         default=CaptureMode.AUTO,
@@ -135,6 +139,10 @@ class DecodeConfig:
         self.acceptance = Acceptance(self.acceptance)
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.eos_token_ids is not None:
+            self.eos_token_ids = tuple(sorted({int(i) for i in self.eos_token_ids}))
+            if len(self.eos_token_ids) > MAX_EOS_IDS:
+                raise ValueError(f"at most {MAX_EOS_IDS} EOS ids are supported, got {len(self.eos_token_ids)}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:

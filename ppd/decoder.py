@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import CaptureMode, DecodeConfig
+from .config import MAX_EOS_IDS, CaptureMode, DecodeConfig
 from .decoding.graphs import Capture, StepRunner, captures_graphs, resolve_mode
 from .decoding.loop import PromptTooLongError, batch_bucket, capture_widths, decode
 from .decoding.packed_linear import pack_linears
@@ -32,7 +32,6 @@ from .tree_builder import default_tree_set
 __all__ = ["Decoder", "GenerationOutput", "PromptTooLongError", "StepOutput", "eos_ids_of"]
 
 DEFAULT_MAX_SEQ_LEN = 8192
-MAX_EOS_IDS = 8
 
 
 @dataclass

@@ -6,7 +6,7 @@ from torch import nn
 
 from ppd import DecodeConfig, Decoder, eos_ids_of
 from ppd.chat import chat_input_ids
-from ppd.cli import default_prompt_tokens
+from ppd.adapter import AdapterFiles
 from ppd.decoding.packed_linear import PackedLinear, pack_linears, packing_available
 from ppd.models import cpu_has_native_bf16, resolve_dtype
 
@@ -103,8 +103,8 @@ def test_real_model_bf16_agrees_with_fp32_on_the_first_tokens(real_model):
 
     model, tokenizer, info = real_model
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
-    tokens, _, _ = default_prompt_tokens(model, tokenizer, info)
-    tokens_bf16, _, _ = default_prompt_tokens(bf16, tokenizer, info)
+    tokens = AdapterFiles.default_for(model, tokenizer, info).prompt_tokens
+    tokens_bf16 = AdapterFiles.default_for(bf16, tokenizer, info).prompt_tokens
     fp32_decoder = Decoder(model, tokens, eos_token_ids=eos_ids_of(model, tokenizer))
     bf16_decoder = Decoder(bf16, tokens_bf16, eos_token_ids=eos_ids_of(bf16, tokenizer))
     assert not bf16_decoder.packed and bf16_decoder.lm.one_head_pass

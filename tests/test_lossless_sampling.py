@@ -18,7 +18,7 @@ import torch
 from ppd import DecodeConfig, Decoder, Tree, TreeSet, eos_ids_of
 from ppd.acceptance import walk_tree
 from ppd.chat import chat_input_ids, plain_input_ids
-from ppd.cli import default_prompt_tokens
+from ppd.adapter import AdapterFiles
 from tests.conftest import random_prompt_tokens, tiny_model
 
 ALPHA = 1e-3  # false-alarm rate of each test function
@@ -215,7 +215,7 @@ def test_the_real_model_samples_its_own_first_tokens(real_model):
     candidates) against enumeration, with a small tree that keeps the sampling cheap on a CPU; then, with
     the shipped tree, the baseline's text for the same seed."""
     model, tokenizer, info = real_model
-    prompt_tokens, _, _ = default_prompt_tokens(model, tokenizer, info)
+    prompt_tokens = AdapterFiles.default_for(model, tokenizer, info).prompt_tokens
     decoder = Decoder(model, prompt_tokens, eos_token_ids=eos_ids_of(model, tokenizer), max_seq_len=256)
     small = Tree(((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)), (1,) * 7, 3)
     sampler = decoder.with_trees(TreeSet(3, 3, {1: Tree(((0,), (1,), (2,)), (1,) * 3, 3),

@@ -5,7 +5,7 @@ import torch
 
 from ppd import DecodeConfig, Decoder, eos_ids_of
 from ppd.chat import chat_input_ids
-from ppd.cli import default_prompt_tokens
+from ppd.adapter import AdapterFiles
 
 PROMPTS = [
     "Write a short story about a robot who learns to paint.",
@@ -17,7 +17,7 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def decoder(real_model):
     model, tokenizer, info = real_model
-    prompt_tokens, _, _ = default_prompt_tokens(model, tokenizer, info)
+    prompt_tokens = AdapterFiles.default_for(model, tokenizer, info).prompt_tokens
     return Decoder(model, prompt_tokens, eos_token_ids=eos_ids_of(model, tokenizer))
 
 

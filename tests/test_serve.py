@@ -24,7 +24,7 @@ import uvicorn
 from application import serve
 from ppd import DecodeConfig, Decoder, eos_ids_of
 from ppd.chat import chat_input_ids, plain_input_ids
-from ppd.cli import default_prompt_tokens
+from ppd.adapter import AdapterFiles
 from ppd.serving import BatcherConfig, ContinuousBatcher
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,7 +103,7 @@ def assert_error(response: httpx.Response, status: int, param=None, code=None) -
 @pytest.fixture(scope="module")
 def decoder(real_model):
     model, tokenizer, info = real_model
-    prompt_tokens, _, _ = default_prompt_tokens(model, tokenizer, info)
+    prompt_tokens = AdapterFiles.default_for(model, tokenizer, info).prompt_tokens
     return Decoder(model, prompt_tokens, eos_token_ids=eos_ids_of(model, tokenizer), max_seq_len=WINDOW)
 
 

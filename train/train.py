@@ -9,7 +9,8 @@ Usage (from the repository root):
 
 Every ``transformers.TrainingArguments`` flag works (schedule, epochs, batch size, gradient accumulation,
 ``--save_steps``, ``--eval_strategy``/``--eval_steps``, ``--resume_from_checkpoint PATH|latest``,
-``--report_to``). The reference implementation's flag names are accepted too: ``--num_special_tokens``,
+``--report_to``; ``--push_to_hub --hub_model_id ORG/NAME`` publishes the finished adapter with its model
+card, as ``python -m train.push`` does, and nothing else of the run). The reference implementation's flag names are accepted too: ``--num_special_tokens``,
 ``--virtual_tokens_per_special_token``, ``--trainer_type distillation_trainer``,
 ``--evaluation_strategy``, ``--model_max_length``. Without a GPU, ``accelerate launch --multi_gpu
 --num_processes 2`` runs two CPU processes.
@@ -258,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"train: error: {error}", file=sys.stderr)
         return 1
 
+    # --push_to_hub publishes the finished adapter only (train.push), not the Trainer's checkpoints and logs.
+    push_to = (training_args.hub_model_id or Path(training_args.output_dir).name) if training_args.push_to_hub else None
+    training_args.push_to_hub = False
     base, tokenizer, model_info = load_base(model_args, training_args.device, training_args.gradient_checkpointing)
     if pt_args.init_adapter:
         try:
@@ -334,6 +338,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trained {result.global_step} steps ({cuts_trained} examples, {cuts_trained / max(train_seconds, 1e-9):.1f}/s) in "
               f"{train_seconds:.0f} s, final train loss "
               f"{result.metrics['train_loss']:.4f}; held out: {summary or 'no evaluation set'}; adapter in {output}")
+        if push_to is not None:
+            from ppd.hub import push_adapter
+
+            try:
+                push_adapter(output, push_to, token=training_args.hub_token,
+                             private=training_args.hub_private_repo)
+            except (OSError, ValueError) as error:
+                print(f"train: error: the adapter is saved in {output} but pushing it to {push_to} failed: {error}",
+                      file=sys.stderr)
+                return 1
+            print(f"pushed the adapter to {push_to}")
     return 0
 
 

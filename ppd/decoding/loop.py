@@ -135,11 +135,12 @@ def decode(decoder: "Decoder", batch: list[list[int]], config: DecodeConfig) -> 
 def reset_rows(decoder: "Decoder", state: DecodeState, lengths: list[int], config: DecodeConfig) -> None:
     """Prepare the state's first rows for prompts of ``lengths`` decoded as ``config`` says (the rest are
     padding): each row's token limit (``max_new_tokens``, or what the cache leaves, which ends the row with
-    ``max_length``), its EOS ids, seed and sampling settings."""
+    ``max_length``), its EOS ids (the call's, else the decoder's), seed and sampling settings."""
     capacity = decoder.capacity
     limits = [min(config.max_new_tokens, capacity - length) for length in lengths]
     reasons = [LENGTH if config.max_new_tokens <= capacity - length else MAX_LENGTH for length in lengths]
-    state.reset(len(lengths), limits, reasons, sorted(decoder.eos_token_ids) if config.stop_on_eos else [], config)
+    eos = decoder.eos_token_ids if config.eos_token_ids is None else config.eos_token_ids
+    state.reset(len(lengths), limits, reasons, sorted(eos) if config.stop_on_eos else [], config)
 
 
 def run_step(decoder: "Decoder", runner: StepRunner, state: DecodeState, tables: TreeTables | None, longest: int,
