@@ -43,6 +43,7 @@ it): a second is refused.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import shutil
 import sys
@@ -56,7 +57,7 @@ import numpy as np
 import torch
 
 from ppd.config import DecodeMethod
-from ppd.conversations import MalformedRecord, load_conversations, record_id, to_messages, user_prompts
+from ppd.conversations import MalformedRecord, load_conversations, record_id, to_example, user_prompts
 from ppd.dataset_info import DatasetType, PPDDatasetInfo
 from ppd.models import DEFAULT_MODEL, load_model, load_tokenizer, resolve_dtype, resolve_model
 from ppd.prompt_tokens import packaged_adapter
@@ -89,6 +90,9 @@ class DataGenArguments:
                 "distillation, a truncated dataset made by this program"})
     num_prompt_tokens: int = field(default=3, metadata={
         "aliases": ["--num_special_tokens"], "help": "N: each example keeps N+1 tokens after the cut"})
+    chat_template: str = field(default="auto", metadata={
+        "help": "how conversations are rendered: auto (the model's chat template, else a plain 'User:/Assistant:' "
+                "transcript for a base model), plain, none or a Jinja file"})
     model_max_length: int = field(default=2048, metadata={
         "help": "tokens of a conversation that are used (conversations: prompt and reply, at most)"})
     max_samples: int | None = field(default=None, metadata={
@@ -264,7 +268,7 @@ def _read_records(records: list, first_index: int, read, eval_filter: EvalPrompt
 def _truncate_records(records: list, first_index: int, tokenizer, args: DataGenArguments, source: _Source,
                       eval_filter: EvalPromptFilter | None, skipped: Counter) -> list[dict]:
     rows = []
-    for index, rid, messages in _read_records(records, first_index, to_messages, eval_filter, skipped):
+    for index, rid, messages in _read_records(records, first_index, to_example, eval_filter, skipped):
         # One random stream per record: the cut does not depend on sharding or process count.
         rng = np.random.default_rng([source.seed, index])
         try:
@@ -400,7 +404,9 @@ def _run(args: DataGenArguments, state, output: Path, shards_root: Path) -> PPDD
 
     with state.main_process_first():  # the first use of an embedded model converts it once
         _, model_info = resolve_model(args.model)
-    tokenizer = load_tokenizer(args.model)
+    tokenizer = load_tokenizer(args.model, args.chat_template)
+    template = args.chat_template if args.chat_template in ("auto", "plain", "none") else \
+        f"file:{hashlib.sha256(tokenizer.chat_template.encode()).hexdigest()[:16]}"
     source = _open_source(args, model_info.model_id)
     items = source.items[: args.max_samples] if args.max_samples else source.items
     kind = args.dataset_type
@@ -432,7 +438,8 @@ def _run(args: DataGenArguments, state, output: Path, shards_root: Path) -> PPDD
                 "teacher": args.teacher if teacher else None,
                 "batch_tokens": args.batch_tokens if teacher else None,
                 "max_batch_size": args.max_batch_size if teacher else None,
-                "generation": generation or None, "eval_prompts_excluded": excluded}
+                "generation": generation or None, "eval_prompts_excluded": excluded,
+                "chat_template": template if source.kind == "records" else None}
     store = ShardStore(shards_root, settings, len(items), args.shard_size)
     if state.is_main_process:
         done = store.prepare()
@@ -443,8 +450,8 @@ def _run(args: DataGenArguments, state, output: Path, shards_root: Path) -> PPDD
     model = decoder = None
     owned = store.owned(state.process_index, state.num_processes)
     if uses_model and owned:
-        model, _, _ = load_model(args.model, device=state.device,
-                                 dtype=args.dtype, load_in_4bit=args.load_in_4bit)
+        model, _, _ = load_model(args.model, device=state.device, dtype=args.dtype,
+                                 load_in_4bit=args.load_in_4bit, chat_template=args.chat_template)
     if conversations and owned:
         decoder = make_decoder(model, tokenizer, model_info, method, max_seq_len=args.model_max_length)
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

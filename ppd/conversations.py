@@ -4,6 +4,8 @@ Accepted record shapes (one conversation per record):
 
 * ShareGPT: ``{"id": ..., "conversations": [{"from": "human" | "gpt" | "system" | ..., "value": str}]}``
 * chat messages: ``{"id": ..., "messages": [{"role": "user" | "assistant" | "system", "content": str}]}``
+* plain text: ``{"id": ..., "text": str}`` (a document of a plain-text corpus, for base models: truncation
+  cuts anywhere in it; there is nothing to answer, so self-distillation skips it)
 
 A source is the embedded ShareGPT file (default), a local ``.json`` / ``.jsonl`` file, a folder written by
 ``datasets.save_to_disk``, or a hub dataset id. Records that cannot be used raise ``MalformedRecord`` with
@@ -160,7 +162,9 @@ def _turns(record) -> tuple[Sequence, str, str]:
             if not isinstance(turns, list):
                 raise MalformedRecord(f"'{key}' is not a list")
             return turns, role_key, text_key
-    raise MalformedRecord("no 'conversations' or 'messages'")
+    if isinstance(record.get("text"), str):
+        raise MalformedRecord("plain-text record (no turns to answer)")
+    raise MalformedRecord("no 'conversations', 'messages' or 'text'")
 
 
 def _normalised(record) -> list[dict]:
@@ -200,6 +204,18 @@ def to_messages(record) -> list[dict]:
     return messages
 
 
+def to_example(record) -> list[dict] | str:
+    """What a training example is cut from: a plain-text record's text (non-empty), else the record's
+    messages as :func:`to_messages` normalises them."""
+    if isinstance(record, dict) and "text" in record and not any(k in record for k in ("conversations", "messages")):
+        if not isinstance(record["text"], str):
+            raise MalformedRecord("non-text 'text'")
+        if not record["text"].strip():
+            raise MalformedRecord("empty message")
+        return record["text"]
+    return to_messages(record)
+
+
 def user_prompts(record, max_turns: int | None = None) -> list[dict]:
     """The part of a record a model answers itself: the system messages before the first user turn, then
     the first ``max_turns`` user turns (all of them by default), without the source's replies.
@@ -218,7 +234,11 @@ def user_prompts(record, max_turns: int | None = None) -> list[dict]:
 
 
 def user_texts(record) -> list[str]:
-    """The text of every user turn of a record (none for a record that cannot be read)."""
+    """The text of every user turn of a record, or of a plain-text record (none for a record that cannot be
+    read)."""
+    if isinstance(record, dict) and isinstance(record.get("text"), str) and "messages" not in record \
+            and "conversations" not in record:
+        return [record["text"]]
     try:
         return [m["content"] for m in _normalised(record) if m["role"] == "user"]
     except MalformedRecord:

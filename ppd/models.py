@@ -183,11 +183,16 @@ def resolve_model(name_or_path: str) -> tuple[str, ModelInfo]:
     return name_or_path, ModelInfo(name_or_path, "main", name_or_path)
 
 
-def load_tokenizer(name_or_path: str):
+def load_tokenizer(name_or_path: str, chat_template: str = "auto"):
+    """The model's tokenizer, with the chat template ``chat_template`` chooses (``ppd.chat``)."""
     from transformers import AutoTokenizer
 
+    from .chat import choose_chat_template
+
     path, _ = resolve_model(name_or_path)
-    return AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    choose_chat_template(tokenizer, chat_template)
+    return tokenizer
 
 
 def load_model(
@@ -198,12 +203,17 @@ def load_model(
     load_in_4bit: bool = False,
     load_in_8bit: bool = False,
     attn_implementation: str = "sdpa",
+    chat_template: str = "auto",
 ):
     """Load a causal LM with its tokenizer. Returns ``(model, tokenizer, ModelInfo)``; the model is in eval mode.
 
-    ``name_or_path`` is an alias of ``EMBEDDED_MODELS``, a local Hugging Face folder or a hub id.
+    ``name_or_path`` is an alias of ``EMBEDDED_MODELS``, a local Hugging Face folder or a hub id;
+    ``chat_template`` chooses how conversations are rendered (``ppd.chat``: the model's own template, else
+    a plain transcript for a base model).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .chat import choose_chat_template
 
     if load_in_4bit and load_in_8bit:
         raise ValueError("choose at most one of load_in_4bit and load_in_8bit")
@@ -226,6 +236,7 @@ def load_model(
         )
         kwargs["device_map"] = {"": device.index or 0}
     tokenizer = AutoTokenizer.from_pretrained(path)
+    choose_chat_template(tokenizer, chat_template)
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     if not (load_in_4bit or load_in_8bit):
         model.to(device)

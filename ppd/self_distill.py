@@ -125,8 +125,8 @@ def self_distill(decoder: Decoder, tokenizer, prompts: Sequence[tuple[str, list[
     :func:`ppd.conversations.user_prompts` returns them). ``progress(conversations_finished, new_tokens)`` is
     called after every batch."""
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("self-distillation renders conversations with the model's chat template, and this "
-                         "tokenizer has none")
+        raise ValueError("self-distillation renders conversations with a chat template, and this tokenizer has "
+                         "none (loaded with --chat_template none): use --chat_template auto|plain|FILE.jinja")
     eos = decoder.eos_token_ids
     room = decoder.capacity - config.max_new_tokens
     turns = [[m for m in messages if m["role"] == "user"][: config.max_turns] for _, messages in prompts]

@@ -51,7 +51,8 @@ def tokenize_conversation(tokenizer, messages: list[dict]) -> TokenizedConversat
     where the next turn starts, so it includes the template's end-of-turn marker.
     """
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the tokenizer has no chat template; the truncated dataset needs one")
+        raise ValueError("the tokenizer has no chat template (loaded with --chat_template none), and truncating "
+                         "conversations needs one: use --chat_template auto|plain|FILE.jinja, or plain-text records")
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError("the truncated dataset needs a fast tokenizer (character offsets of each token)")
     full = _render(tokenizer, messages, add_generation_prompt=False)
@@ -76,6 +77,13 @@ def tokenize_conversation(tokenizer, messages: list[dict]) -> TokenizedConversat
     return TokenizedConversation(list(encoding["input_ids"]), blocks)
 
 
+def tokenize_text(tokenizer, text: str) -> TokenizedConversation:
+    """A plain-text document as one block: every token after the first may start the labels (the
+    tokenizer's own special tokens, a BOS for instance, are added as they are for a raw prompt)."""
+    ids = list(tokenizer(text)["input_ids"])
+    return TokenizedConversation(ids, [(1, len(ids))])
+
+
 def cut_points(conversation: TokenizedConversation, num_labels: int, max_length: int,
                rng: np.random.Generator, count: int = 1) -> list[int]:
     """Up to ``count`` distinct cut points, uniform inside the last assistant reply that has room for
@@ -90,10 +98,12 @@ def cut_points(conversation: TokenizedConversation, num_labels: int, max_length:
     raise MalformedRecord(f"no assistant reply of {num_labels}+ tokens within {max_length} tokens")
 
 
-def truncate(tokenizer, messages: list[dict], num_prompt_tokens: int, max_length: int,
+def truncate(tokenizer, messages: list[dict] | str, num_prompt_tokens: int, max_length: int,
              rng: np.random.Generator, count: int = 1) -> list[Cut]:
-    """Cuts of one conversation (``count`` at most, all inside the same reply)."""
-    conversation = tokenize_conversation(tokenizer, messages)
+    """Cuts of one conversation (``count`` at most, all inside the same reply), or of a plain-text document
+    (``messages`` a string: anywhere after its first token)."""
+    conversation = (tokenize_text(tokenizer, messages) if isinstance(messages, str)
+                    else tokenize_conversation(tokenizer, messages))
     num_labels = num_prompt_tokens + 1
     ids = conversation.input_ids
     return [Cut(ids[:cut], ids[cut: cut + num_labels], cut)

@@ -48,7 +48,7 @@ def test_sharegpt_roles_are_mapped_and_leading_replies_dropped():
 
 @pytest.mark.parametrize("record, reason", [
     ([1, 2], "record is not an object"),
-    ({"id": "x"}, "no 'conversations' or 'messages'"),
+    ({"id": "x"}, "no 'conversations', 'messages' or 'text'"),
     ({"conversations": "text"}, "'conversations' is not a list"),
     ({"conversations": [{"from": "human"}]}, "turn without role or text"),
     ({"conversations": [{"from": "narrator", "value": "x"}]}, "unknown role 'narrator'"),
