@@ -4,28 +4,20 @@ skipped; a step whose output is gone runs again alone."""
 
 import json
 
-import pytest
+import torch
 
 from ppd import PPDModel
 from ppd.chat import chat_input_ids
-from ppd.conversations import load_conversations
+from tests.test_data_gen import sharegpt_file  # noqa: F401 (a fixture: short real ShareGPT records)
 from train import recipe
 
 STEPS = ["truncated", "distillation", "training", "accuracies", "trees", "pick"]
 
 
-@pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    records = [r for r in load_conversations().records[:400]
-               if len(r["conversations"]) == 2 and sum(len(t["value"]) for t in r["conversations"]) < 800][:8]
-    path = tmp_path_factory.mktemp("src") / "sharegpt.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
-
-
-def test_recipe_runs_every_step_then_skips_them(source, tmp_path, capsys):
+def test_recipe_runs_every_step_then_skips_them(sharegpt_file, tmp_path, capsys):
     out = tmp_path / "run"
-    argv = ["--output_dir", str(out), "--data_path", str(source), "--cuts_per_conversation", "2",
+    argv = ["--output_dir", str(out), "--data_path", str(sharegpt_file), "--max_samples", "8",
+            "--cuts_per_conversation", "2",
             "--eval_size", "3", "--budgets", "2", "4", "--batch_size", "4", "--dtype", "float32",
             "--pick_context", "64", "--pick_steps", "4", "--train_args", "--max_steps", "2", "--report_to", "none"]
     assert recipe.main(argv) == 0
@@ -38,8 +30,6 @@ def test_recipe_runs_every_step_then_skips_them(source, tmp_path, capsys):
     assert all(f"| {step} |" in card for step in STEPS) and "Held-out accuracy (" in card
     ppd = PPDModel.from_pretrained(adapter=str(adapter), dtype="float32", device="cpu")
     assert ppd.tree == f"{adapter}:tree_cpu_float32.json"
-    import torch
-
     ids = torch.tensor([chat_input_ids(ppd.tokenizer, [{"role": "user", "content": "Say hello."}])])
     assert torch.equal(ppd.generate(ids, max_new_tokens=12),
                        ppd.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False))
