@@ -176,7 +176,7 @@ class Decoder:
 
     @property
     def max_positions(self) -> int:
-        return int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
+        return int(getattr(self.model.config.get_text_config(), "max_position_embeddings", 0) or 1 << 30)
 
     def check_prompt_fits(self, num_tokens: int) -> None:
         """Raise :class:`PromptTooLongError` unless a prompt of ``num_tokens`` leaves room for a new token."""
@@ -198,8 +198,9 @@ class Decoder:
         rows = max(widest, n_prompt * (t.num_ensemble if t else 1) + 1)
         # Room past the longest committed prefix for one step's rows (or the prefill's prompt rows).
         # A step emits at most N + 1 tokens (a path is at most N deep), whatever the tree set.
-        return DecodeState(self.model.config.num_hidden_layers, batch_size, self.capacity + rows, n_prompt,
-                           t.top_k if t else 0, n_prompt + 1, MAX_EOS_IDS, self.device)
+        layers = self.model.config.get_text_config().num_hidden_layers  # a multimodal model: its text model's
+        return DecodeState(layers, batch_size, self.capacity + rows, n_prompt, t.top_k if t else 0, n_prompt + 1,
+                           MAX_EOS_IDS, self.device)
 
     def with_trees(self, trees: TreeSet) -> "Decoder":
         """A decoder of the same model, prompt tokens, EOS ids and cache size over another tree set (at every

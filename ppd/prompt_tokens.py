@@ -59,14 +59,18 @@ class PromptTokens(nn.Module):
 
     @classmethod
     def from_text(cls, model, tokenizer, config: PromptTokenConfig) -> "PromptTokens":
-        """Initialise every row from the word embeddings of ``config.init_text``, cycled to N * V rows."""
+        """Initialise every row from the word embeddings of ``config.init_text``, cycled to N * V rows, as the
+        model's embedding module gives them (Gemma scales its embeddings there): prompt tokens enter the model
+        as they are, so they start where the text's own tokens would."""
         config = _fill_from_model(config, model)
         ids = tokenizer(config.init_text, add_special_tokens=False)["input_ids"]
         if not ids:
             raise ValueError(f"init_text {config.init_text!r} tokenizes to nothing")
-        table = model.get_input_embeddings().weight.detach()
-        rows = torch.tensor([ids[i % len(ids)] for i in range(config.num_rows)], device=table.device)
-        return cls(config, table[rows].float().cpu())
+        embedding = model.get_input_embeddings()
+        rows = torch.tensor([ids[i % len(ids)] for i in range(config.num_rows)], device=embedding.weight.device)
+        with torch.no_grad():
+            table = embedding(rows)
+        return cls(config, table.float().cpu())
 
     def check_compatible(self, model) -> None:
         """Raise :class:`AdapterMismatchError` unless these prompt tokens fit ``model``."""

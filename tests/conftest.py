@@ -18,17 +18,19 @@ os.environ.setdefault("PPD_CAPTURE", "eager")
 
 
 def tiny_model(arch: str = "llama", vocab: int = TINY_VOCAB, seed: int = 0, max_positions: int = 512,
-               window: int | None = None):
+               window: int | None = None, tie_word_embeddings: bool = False):
     """A 2-layer causal LM with random weights. Small vocabularies make guesses often right. ``window``
-    turns on sliding-window attention where the architecture has it: every layer for Mistral, the second
-    layer for Qwen2 (``max_window_layers=1``) and Gemma 3, Gemma 2's own alternation."""
-    from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig,
-                              Qwen2Config)
+    turns on sliding-window attention where the architecture has it: every layer for Mistral and Phi-3, the
+    second layer for Qwen2 (``max_window_layers=1``) and Gemma 3, Gemma 2's own alternation. GPT-NeoX has
+    its own field names, no grouped keys and rotary embeddings on half of each head (``partial_rotary_factor``);
+    ``tie_word_embeddings`` makes the head share the input embeddings' weight."""
+    from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GPTNeoXConfig, LlamaConfig,
+                              MistralConfig, Phi3Config, Qwen2Config)
 
     common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
-                  tie_word_embeddings=False)
-    if arch == "mistral" and window is not None:
+                  tie_word_embeddings=tie_word_embeddings)
+    if arch in ("mistral", "phi3") and window is not None:
         common.update(sliding_window=window)
     elif arch == "qwen2" and window is not None:
         common.update(use_sliding_window=True, sliding_window=window, max_window_layers=1)
@@ -36,8 +38,13 @@ def tiny_model(arch: str = "llama", vocab: int = TINY_VOCAB, seed: int = 0, max_
         common.update(head_dim=8, query_pre_attn_scalar=8, sliding_window=window or 4096)
         if arch == "gemma3":
             common.update(layer_types=["sliding_attention", "full_attention"])
+    if arch == "phi3":  # its defaults name special tokens of a 32K vocabulary
+        common.update(pad_token_id=None, bos_token_id=1, eos_token_id=2)
+    elif arch == "gpt_neox":
+        del common["num_key_value_heads"]
+        common.update(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
     config = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "gemma2": Gemma2Config,
-              "gemma3": Gemma3TextConfig}[arch](**common)
+              "gemma3": Gemma3TextConfig, "phi3": Phi3Config, "gpt_neox": GPTNeoXConfig}[arch](**common)
     attention = "eager" if arch == "gemma2" else "sdpa"  # transformers runs Gemma 2 (logit soft-capping) eagerly
     config._attn_implementation = attention
     torch.manual_seed(seed)
@@ -45,6 +52,12 @@ def tiny_model(arch: str = "llama", vocab: int = TINY_VOCAB, seed: int = 0, max_
     # Sharper distributions than the default init, so greedy text repeats and guesses get accepted.
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(8.0)
+        if tie_word_embeddings:
+            # A tied head over a residual stream that is mostly the input embedding predicts the last token
+            # again and again; larger layers make the text (and the guesses) depend on the context.
+            for weight in model.parameters():
+                if weight.dim() == 2 and weight is not model.get_input_embeddings().weight:
+                    weight.mul_(8.0)
     return model.eval().requires_grad_(False)
 
 

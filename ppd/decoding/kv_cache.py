@@ -1,8 +1,9 @@
 """The decoder-owned key/value cache: per-layer buffers written at given slots, compacted in place.
 
-``KVBuffer`` holds one keys and one values tensor per layer, ``[B, heads, capacity, head_dim]`` each. They
-are allocated once, at the first write, and never reallocated, so their addresses stay fixed for
-CUDA-graph capture; a new request only resets the per-row lengths that the decoder keeps beside them.
+``KVBuffer`` holds one keys and one values tensor per layer, ``[B, heads, capacity, head_dim]`` each (each
+layer's keys and values with the head count and size that layer writes). They are allocated in the first
+forward and never reallocated after it, so their addresses stay fixed for CUDA-graph capture; a new
+request only resets the per-row lengths that the decoder keeps beside them.
 
 Every buffer is a tensor of its own rather than a view into one tensor of all layers, and every write is
 an indexed assignment (``buffer[rows, :, slots] = ...``, an ``index_put_``). One tensor would make the
@@ -38,11 +39,22 @@ class KVBuffer:
     def allocated(self) -> bool:
         return len(self.keys) > 0
 
-    def allocate(self, like: torch.Tensor) -> None:
-        """Allocate from the first layer's new keys ``like`` [b, H, T, D] (any head count and head size)."""
-        shape = (self.batch_size, like.shape[1], self.capacity, like.shape[3])
-        self.keys = [like.new_zeros(shape) for _ in range(self.num_layers)]
-        self.values = [like.new_zeros(shape) for _ in range(self.num_layers)]
+    def allocate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Allocate every layer like the first layer's new ``keys`` and ``values`` [b, H, T, D] (any head count
+        and head size, each its own: multi-head latent attention's keys are wider than its values)."""
+        self.keys = [self._like(keys) for _ in range(self.num_layers)]
+        self.values = [self._like(values) for _ in range(self.num_layers)]
+
+    def fit(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Reshape ``layer``'s buffers for its new ``keys`` and ``values`` where their heads differ from the
+        first layer's (Gemma 4's full-attention layers have wider heads than its sliding ones). Only the first
+        forward, which writes every layer, meets such a layer: the addresses stay fixed after it."""
+        for buffers, new in ((self.keys, keys), (self.values, values)):
+            if buffers[layer].shape[1] != new.shape[1] or buffers[layer].shape[3] != new.shape[3]:
+                buffers[layer] = self._like(new)
+
+    def _like(self, new: torch.Tensor) -> torch.Tensor:
+        return new.new_zeros(self.batch_size, new.shape[1], self.capacity, new.shape[3])
 
     def buffers(self) -> list[torch.Tensor]:
         return self.keys + self.values
@@ -88,8 +100,11 @@ class KVRows(KVBuffer):
     def allocated(self) -> bool:
         return self.parent.allocated
 
-    def allocate(self, like: torch.Tensor) -> None:
-        self.parent.allocate(like)
+    def allocate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.parent.allocate(keys, values)
+
+    def fit(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.parent.fit(layer, keys, values)
 
 
 class CacheView(Cache):
@@ -104,7 +119,8 @@ class CacheView(Cache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         if not self.buffer.allocated:
-            self.buffer.allocate(key_states)
+            self.buffer.allocate(key_states, value_states)
+        self.buffer.fit(layer_idx, key_states, value_states)
         keys, values = self.buffer.keys[layer_idx], self.buffer.values[layer_idx]  # [B, H, S, D]
         if self.rows is not None:
             keys, values = keys[: self.rows], values[: self.rows]

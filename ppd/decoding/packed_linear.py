@@ -81,15 +81,16 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(model: nn.Module) -> list[PackedLinear]:
-    """Wrap every :class:`torch.nn.Linear` of ``model`` (the LM head included) in a :class:`PackedLinear`, in
-    place, and return them all; layers wrapped by an earlier call are returned as they are. Returns an empty
-    list, changing nothing, where packing is not available (not a float32 CPU model, or no MKL)."""
+    """Wrap every plain :class:`torch.nn.Linear` of ``model`` (the LM head included; not a subclass, which has
+    a forward of its own) in a :class:`PackedLinear`, in place, and return them all; layers wrapped by an
+    earlier call are returned as they are. Returns an empty list, changing nothing, where packing is not
+    available (not a float32 CPU model, or no MKL)."""
     found: list[PackedLinear] = []
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, PackedLinear):
                 found.append(child)
-            elif isinstance(child, nn.Linear) and packing_available(child.weight):
+            elif type(child) is nn.Linear and packing_available(child.weight):  # e.g. not an MoE router
                 wrapped = PackedLinear(child)
                 setattr(module, name, wrapped)
                 found.append(wrapped)

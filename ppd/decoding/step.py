@@ -15,7 +15,7 @@ With ``tables=None`` the same function is one autoregressive step (the root alon
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -25,6 +25,7 @@ from ..attention import LayerAttention, step_mask
 from ..config import DecodeConfig
 from ..prefill import average_copies
 from .state import EOS, REPORT_HEAD, RUNNING, DecodeState
+from .support import LogitTransform, UnsupportedModelError, checked_transform, refuse_by_design
 from .tables import TreeTables
 
 
@@ -36,7 +37,9 @@ class LanguageModel:
     body: nn.Module  # returns ``last_hidden_state`` (the final norm applied)
     head: nn.Module
     layers: LayerAttention  # full or sliding attention, layer by layer
-    softcap: float | None = None  # the config's ``final_logit_softcapping``, where the model has one
+    # What the model does to the head's output: the config's ``final_logit_softcapping``, and the constant
+    # it multiplies or divides its logits by where its config names one (``ppd.decoding.support``).
+    transform: LogitTransform = field(default_factory=LogitTransform)
     # A tree step computes the head once over all its rows, instead of over the nodes and then over the
     # prompt rows of the accepted node. Cheaper where reading the head's weight is what the head costs
     # (a CPU, a small tree), dearer where its arithmetic is (a GPU, large trees and batches).
@@ -44,17 +47,21 @@ class LanguageModel:
 
     @classmethod
     def of(cls, model) -> "LanguageModel":
+        """The model's pieces, once ppd has checked that it decodes the model exactly (else
+        :class:`~ppd.decoding.support.UnsupportedModelError`, naming the reason; the probe forward runs once
+        per model object)."""
+        refuse_by_design(model)
+        layers = LayerAttention.of(model.config)
         body = model.base_model
         if body is model:
-            raise ValueError(f"{type(model).__name__} exposes no base model under its head: not a causal LM")
-        return cls(model.get_input_embeddings(), body, model.get_output_embeddings(), LayerAttention.of(model.config),
-                   getattr(model.config, "final_logit_softcapping", None))
+            raise UnsupportedModelError(f"{type(model).__name__} exposes no base model under its head: not a "
+                                        "causal LM as transformers builds them")
+        lm = cls(model.get_input_embeddings(), body, model.get_output_embeddings(), layers)
+        lm.transform = checked_transform(model, lm)
+        return lm
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.head(hidden)
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+        return self.transform(self.head(hidden))
 
 
 @dataclass(frozen=True)
