@@ -130,7 +130,7 @@ def test_bad_records_are_counted_not_fatal(sharegpt_file, tmp_path, capsys):
     dataset = make(tmp_path, "ft", "--dataset_type", "finetune", "--data_path", str(path))
     summary = PPDDatasetInfo.of(dataset).summary
     assert len(dataset) == 3 and summary["items"] == 7
-    assert summary["skipped"] == {"invalid JSON line": 1, "no 'conversations' or 'messages'": 1,
+    assert summary["skipped"] == {"invalid JSON line": 1, "no 'conversations', 'messages' or 'text'": 1,
                                   "empty message": 1, "no assistant reply": 1}
     assert "skipped:" in capsys.readouterr().out
 

@@ -32,7 +32,7 @@ def test_model_name_or_path_alias_and_bad_flags():
     proc = run("--model_name_or_path", "smollm2-135m-instruct", "--prompt", "Hi", "--max_new_tokens", "0")
     assert proc.returncode == 2 and "max_new_tokens must be >= 1" in proc.stderr
     proc = run("--model", "smollm2-135m-instruct", "--adapter", str(ROOT / "no-such-adapter"), "--prompt", "Hi")
-    assert proc.returncode != 0 and "not a ppd adapter" in proc.stderr
+    assert proc.returncode != 0 and "no-such-adapter does not exist" in proc.stderr
 
 
 def main_in_process(capsys, *args: str) -> tuple[int, str]:
