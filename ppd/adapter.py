@@ -69,3 +69,13 @@ class TreeChoice:
         if folder is not None and (path := TreeSet.adapter_file(folder, device_type, dtype)) is not None:
             return cls(TreeSet.load(path), None, f"{adapter.source}:{path.name}")
         return cls(None, None, "packaged:default.json")
+
+
+def prompt_tokens_and_trees(model, tokenizer, info: ModelInfo, given: AdapterFiles | None = None,
+                            given_trees: TreeSet | None = None, tree_name: str = "") -> tuple[AdapterFiles, TreeChoice]:
+    """The prompt tokens a model decodes with (``given``, checked against the model, else
+    :meth:`AdapterFiles.default_for`) and their tree set (:meth:`TreeChoice.for_model`)."""
+    if given is not None:
+        given.prompt_tokens.check_compatible(model)
+    files = given or AdapterFiles.default_for(model, tokenizer, info)
+    return files, TreeChoice.for_model(model, files, given_trees, tree_name)

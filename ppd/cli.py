@@ -10,11 +10,10 @@ import argparse
 import logging
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from .config import CaptureMode, DecodeConfig
 from .decoder import Decoder, eos_ids_of
-from .adapter import AdapterFiles, TreeChoice
+from .adapter import AdapterFiles, TreeChoice, prompt_tokens_and_trees
 from .models import DEFAULT_MODEL, ModelInfo, load_model
 from .tree import TreeSet
 
@@ -112,10 +111,7 @@ def load_decoder(args: argparse.Namespace, with_prompt_tokens: bool = True) -> L
     )
     files, choice = None, TreeChoice(None, None, "none")
     if with_prompt_tokens:
-        if given is not None:
-            given.prompt_tokens.check_compatible(model)
-        files = given or AdapterFiles.default_for(model, tokenizer, info)
-        choice = TreeChoice.for_model(model, files, given_trees, str(tree))
+        files, choice = prompt_tokens_and_trees(model, tokenizer, info, given, given_trees, str(tree))
     decoder = Decoder(model, files.prompt_tokens if files else None, choice.trees,
                       eos_token_ids=eos_ids_of(model, tokenizer), max_seq_len=getattr(args, "max_seq_len", None),
                       policy=choice.policy,

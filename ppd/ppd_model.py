@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .adapter import AdapterFiles, TreeChoice
+from .adapter import AdapterFiles, prompt_tokens_and_trees
 from .config import CaptureMode, DecodeConfig
 from .decoder import Decoder, GenerationOutput, eos_ids_of
 from .decoding.loop import decode
@@ -92,10 +92,7 @@ class PPDModel:
     @classmethod
     def _assemble(cls, model, tokenizer, info, files: AdapterFiles | None, given_trees: TreeSet | None,
                   tree_name: str, max_seq_len, packed_weights) -> "PPDModel":
-        if files is not None:
-            files.prompt_tokens.check_compatible(model)
-        files = files or AdapterFiles.default_for(model, tokenizer, info)
-        choice = TreeChoice.for_model(model, files, given_trees, tree_name)
+        files, choice = prompt_tokens_and_trees(model, tokenizer, info, files, given_trees, tree_name)
         decoder = Decoder(model, files.prompt_tokens, choice.trees, eos_token_ids=eos_ids_of(model, tokenizer),
                           max_seq_len=max_seq_len, policy=choice.policy, packed_weights=packed_weights)
         return cls(model, tokenizer, decoder, info, files.source, choice.source)
@@ -136,8 +133,7 @@ class PPDModel:
             if new_tokens < 1:
                 raise ValueError(f"max_length {config.max_length} leaves no room after the {ids.shape[1]}-token "
                                  "input; set max_new_tokens")
-        eos = config.eos_token_id
-        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        eos = _eos_ids(config)
         sampled = bool(config.do_sample)
         decode_config = DecodeConfig(
             method=method, max_new_tokens=new_tokens, capture=capture, eos_token_ids=eos, stop_on_eos=bool(eos),
@@ -182,10 +178,9 @@ class PPDModel:
     def _prompts(self, ids: torch.Tensor, mask: torch.Tensor | None, config) -> list[list[int]]:
         """Each row's tokens without its left padding. Without a mask, padding is read from
         ``pad_token_id`` where it differs from EOS, as transformers reads it."""
-        pad, eos = config.pad_token_id, config.eos_token_id
-        eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        pad = config.pad_token_id
         if mask is None:
-            mask = (ids != pad) if pad is not None and pad not in eos_ids and bool((ids == pad).any()) else None
+            mask = (ids != pad) if pad is not None and pad not in _eos_ids(config) and bool((ids == pad).any()) else None
         if mask is None:
             return ids.tolist()
         mask = torch.as_tensor(mask).bool()
@@ -240,6 +235,12 @@ class PPDModel:
         for b, answer in enumerate(answers):
             out[b, : len(answer)] = torch.tensor(answer, dtype=torch.long)
         return torch.cat([ids.to(torch.long).cpu(), out], dim=1).to(ids.device)
+
+
+def _eos_ids(config) -> list[int]:
+    """A generation config's ``eos_token_id`` (None, an id or a list of ids) as a list."""
+    eos = config.eos_token_id
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
 def _should_stop(criteria: Sequence[Callable], sequence: list[int], device: torch.device) -> bool:
