@@ -11,7 +11,7 @@ import logging
 import sys
 from dataclasses import dataclass
 
-from .config import CaptureMode, DecodeConfig
+from .config import CaptureMode, DecodeConfig, StepAttention
 from .decoder import Decoder, eos_ids_of
 from .adapter import AdapterFiles, TreeChoice, prompt_tokens_and_trees
 from .models import DEFAULT_MODEL, ModelInfo, load_model
@@ -57,6 +57,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max_seq_len", type=int, default=None,
                        help="tokens (prompt and answer) the decoder's cache holds per row "
                             "(default: the context window, at most 8192)")
+    group.add_argument("--attention", choices=[a.value for a in StepAttention], default="auto",
+                       help="how a decoding step's attention reads the cache: flex (FlexAttention over a block "
+                            "mask; its cost does not grow with the cache's width), dense (the model's own attention "
+                            "over a float mask), or auto (flex on CUDA where the model runs it exactly, else dense) "
+                            "(default: %(default)s)")
     group.add_argument("--packed_weights", choices=["auto", "off"], default="auto",
                        help="multiply tree steps with weights packed for their row count: auto (a float32 model on "
                             "a CPU with MKL) or off (default: %(default)s)")
@@ -115,7 +120,8 @@ def load_decoder(args: argparse.Namespace, with_prompt_tokens: bool = True) -> L
     decoder = Decoder(model, files.prompt_tokens if files else None, choice.trees,
                       eos_token_ids=eos_ids_of(model, tokenizer), max_seq_len=getattr(args, "max_seq_len", None),
                       policy=choice.policy,
-                      packed_weights=False if getattr(args, "packed_weights", "auto") == "off" else None)
+                      packed_weights=False if getattr(args, "packed_weights", "auto") == "off" else None,
+                      attention=getattr(args, "attention", "auto"))
     return Loaded(model, tokenizer, info, decoder, files.source if files else "none", choice.source)
 
 

@@ -68,6 +68,20 @@ class CaptureMode(str, enum.Enum):
     REDUCE_OVERHEAD = "reduce_overhead"
 
 
+class StepAttention(str, enum.Enum):
+    """How a decoding step's attention reads the cache (``ppd.decoding.tree_attention``).
+
+    ``dense``: the model's own attention with a float mask over every slot the step attends to (any
+    model). ``flex``: FlexAttention over a block mask made from each row's length, whose cost does not grow
+    with the mask's width, only with the keys it must read. ``auto``: ``flex`` on CUDA where the model's
+    attention layers run it exactly (checked once per model), ``dense`` elsewhere.
+    """
+
+    AUTO = "auto"
+    DENSE = "dense"
+    FLEX = "flex"
+
+
 @dataclass
 class PromptTokenConfig:
     num_prompt_tokens: int = field(default=3, metadata={"help": "N: prompt tokens appended after the input."})

@@ -17,12 +17,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import MAX_EOS_IDS, CaptureMode, DecodeConfig
+from .config import MAX_EOS_IDS, CaptureMode, DecodeConfig, StepAttention
 from .decoding.graphs import Capture, StepRunner, captures_graphs, resolve_mode
-from .decoding.loop import PromptTooLongError, batch_bucket, capture_widths, decode
+from .decoding.loop import PromptTooLongError, batch_bucket, capture_widths, decode, whole_width
 from .decoding.packed_linear import pack_linears
 from .decoding.state import DecodeState, StatePool
 from .decoding.step import LanguageModel, StepKind
+from .decoding.support import UnsupportedModelError, checked_tree_attention
+from .decoding.tree_attention import BLOCK
 from .decoding.tables import TreeTables
 from .policy import BatchPolicy
 from .prompt_tokens import PromptTokens
@@ -101,6 +103,10 @@ class Decoder:
     model's linear layers so that steps of more than one row multiply with weights packed for their row
     count (``ppd.decoding.packed_linear``); the model's parameters and its one-row and prefill products
     are unchanged. On a CPU a tree step also computes the LM head in one pass over all its rows.
+
+    ``attention`` says how a step's attention reads the cache (:class:`~ppd.config.StepAttention`):
+    FlexAttention over a block mask, whose cost does not grow with the cache's width (``auto`` on CUDA where
+    the model runs it exactly), or the model's own attention over a dense float mask.
     """
 
     def __init__(
@@ -112,6 +118,7 @@ class Decoder:
         max_seq_len: int | None = None,
         policy: BatchPolicy | None = None,
         packed_weights: bool | None = None,
+        attention: StepAttention | str = StepAttention.AUTO,
     ):
         self.model = model
         self.packed = pack_linears(model) if packed_weights is not False else []
@@ -120,6 +127,7 @@ class Decoder:
                              f"is {self.dtype} on {self.device}")
         self.lm = LanguageModel.of(model)
         self.lm.one_head_pass = self.device.type == "cpu"
+        self.lm.flex = self._use_flex(StepAttention(attention))
         self.prompt_tokens = prompt_tokens
         self.eos_token_ids = set(eos_token_ids)
         if len(self.eos_token_ids) > MAX_EOS_IDS:
@@ -161,6 +169,19 @@ class Decoder:
         self.states = StatePool(self._new_state)
 
     # ------------------------------------------------------------------ properties and set-up
+    def _use_flex(self, attention: StepAttention) -> bool:
+        if attention is StepAttention.DENSE or (attention is StepAttention.AUTO and self.device.type != "cuda"):
+            return False
+        gap = checked_tree_attention(self.model, self.lm)
+        if gap is not None and attention is StepAttention.FLEX:
+            raise UnsupportedModelError(f"attention 'flex' is not available for this model: {gap}; use 'dense'")
+        return gap is None
+
+    @property
+    def attention(self) -> StepAttention:
+        """The step's attention as it runs: ``flex`` or ``dense``."""
+        return StepAttention.FLEX if self.lm.flex else StepAttention.DENSE
+
     @property
     def guess_k(self) -> int:
         """Guesses kept per prompt token: the largest top-k of the decoder's tree sets."""
@@ -199,14 +220,16 @@ class Decoder:
         # Room past the longest committed prefix for one step's rows (or the prefill's prompt rows).
         # A step emits at most N + 1 tokens (a path is at most N deep), whatever the tree set.
         layers = self.model.config.get_text_config().num_hidden_layers  # a multimodal model: its text model's
-        return DecodeState(layers, batch_size, self.capacity + rows, n_prompt, t.top_k if t else 0, n_prompt + 1,
-                           MAX_EOS_IDS, self.device)
+        # Whole key blocks of FlexAttention's size, so that a step may attend over the whole buffer.
+        slots = -(-(self.capacity + rows) // BLOCK) * BLOCK
+        return DecodeState(layers, batch_size, slots, n_prompt, t.top_k if t else 0, n_prompt + 1, MAX_EOS_IDS,
+                           self.device)
 
     def with_trees(self, trees: TreeSet) -> "Decoder":
         """A decoder of the same model, prompt tokens, EOS ids and cache size over another tree set (at every
         batch size: without a batch policy)."""
         return Decoder(self.model, self.prompt_tokens, trees, self.eos_token_ids, max_seq_len=self.capacity,
-                       packed_weights=bool(self.packed))
+                       packed_weights=bool(self.packed), attention=self.attention)
 
     def prompt_embeds(self, tables: TreeTables | None = None) -> torch.Tensor:
         """Each tree's prompt-token rows [N + 1, prompt rows, hidden] in the model's dtype, made once per
@@ -258,7 +281,8 @@ class Decoder:
             try:
                 for tree in kinds:
                     rows = tables.num_rows if tree else 1
-                    widths = capture_widths(rows, min(max_width or state.capacity, state.capacity))
+                    widths = capture_widths(rows, min(max_width or state.capacity, state.capacity),
+                                            whole_width(self, mode))
                     with torch.no_grad():
                         runner.prepare(tables if tree else None, self.prompt_embeds(tables) if tree else None,
                                        state, StepKind.of(tree, [sampling or DecodeConfig()]), widths)

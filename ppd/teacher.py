@@ -45,7 +45,7 @@ def _logits_kwargs(model) -> dict:
     return {}
 
 
-def _left_padded(sequences: list[list[int]], pad_token_id: int, device) -> tuple[torch.Tensor, ...]:
+def left_padded(sequences: list[list[int]], pad_token_id: int, device) -> tuple[torch.Tensor, ...]:
     """``input_ids``, ``attention_mask`` and ``position_ids`` [B, longest] of left-padded ``sequences``; real
     tokens keep the positions they would have unpadded."""
     if not sequences or any(len(s) == 0 for s in sequences):
@@ -69,7 +69,7 @@ def _topk(logprobs: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tenso
 def teacher_topk(model, sequences: list[list[int]], num_prompt_tokens: int, top_k: int,
                  pad_token_id: int = 0) -> TeacherOutput:
     """Greedy-decode ``num_prompt_tokens + 1`` tokens after each sequence and keep top-k of steps 2..N+1."""
-    input_ids, attention_mask, position_ids = _left_padded(sequences, pad_token_id,
+    input_ids, attention_mask, position_ids = left_padded(sequences, pad_token_id,
                                                            model.get_input_embeddings().weight.device)
     batch = len(sequences)
     extra = _logits_kwargs(model)
@@ -116,7 +116,7 @@ def forced_teacher_topk(model, sequences: list[list[int]], cuts: list[list[int]]
             raise ValueError(f"a sequence of {len(ids)} tokens needs cuts in [1, {len(ids) - n}] for "
                              f"{n} prompt tokens, got {row_cuts}")
     lm = LanguageModel.of(model)
-    input_ids, attention_mask, position_ids = _left_padded(sequences, pad_token_id,
+    input_ids, attention_mask, position_ids = left_padded(sequences, pad_token_id,
                                                            model.get_input_embeddings().weight.device)
     hidden = lm.body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                      use_cache=False).last_hidden_state  # [B, L, hidden]

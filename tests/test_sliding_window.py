@@ -70,7 +70,13 @@ def test_tree_forward_equals_per_path_forward_past_the_window(arch):
     model = tiny_model(arch, window=WINDOW, seed=7)
     pt = random_prompt_tokens(model, n=3, v=2, seed=7)
     decoder = Decoder(model, pt, random_tree_set(7, size=10))
-    prompt = [(7 * i + 1) % model.config.vocab_size for i in range(5 * WINDOW)]
+    assert_tree_rows_equal_own_forward(decoder, [(7 * i + 1) % model.config.vocab_size for i in range(5 * WINDOW)])
+
+
+def assert_tree_rows_equal_own_forward(decoder, prompt: list[int]) -> None:
+    """Every node row of each tree step after ``prompt`` equals the model's own forward over its
+    root-to-node path, and its prompt rows the prefill of that path (two copies per prompt token)."""
+    model, pt = decoder.model, decoder.prompt_tokens
     with torch.no_grad():
         for logits, row, tokens, n, prompt_rows in tree_step_rows(decoder, prompt):
             torch.testing.assert_close(logits[row], own_logits(model, tokens)[-1], rtol=1e-4, atol=1e-4)

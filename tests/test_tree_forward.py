@@ -36,7 +36,8 @@ def tree_step_rows(decoder, prompt: list[int], width: int | None = None):
             state.key.fill_(key)
             rows = generate_candidates(decoder.lm, tables, decoder.prompt_embeds(), state)
             slots = state.slot_ids[: width or state.capacity]
-            logits = decoder.lm.logits(tree_decoding(decoder.lm, state, rows, slots))[0]
+            with decoder.lm.stepping():
+                logits = decoder.lm.logits(tree_decoding(decoder.lm, state, rows, slots))[0]
             paths = [()] + sorted(decoder.trees.trees[key].paths, key=lambda p: (len(p), p))
             row_of = {p: r for r, p in enumerate(paths)}
             node_tokens = rows.node_tokens[0].tolist()

@@ -69,7 +69,7 @@ def captures_graphs(mode: CaptureMode) -> bool:
     return mode not in (CaptureMode.EAGER, CaptureMode.COMPILE)
 
 
-def _compile_limits():
+def compile_limits():
     """Room for one compiled step per batch bucket and step kind (torch's default stops at 8 variants)."""
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
@@ -108,6 +108,9 @@ def _mark_tree_sizes(tables: TreeTables, prompt_embeds: torch.Tensor) -> None:
 class StepRunner:
     def __init__(self, lm: LanguageModel, mode: CaptureMode, device: torch.device,
                  packed: list[PackedLinear] = ()):
+        if lm.flex and device.type != "cuda" and mode is not CaptureMode.EAGER:
+            raise ValueError(f"FlexAttention steps on {device.type} run eagerly only (Inductor's CPU FlexAttention "
+                             f"kernel does not compile ppd's tree step); use capture 'eager' or attention 'dense'")
         self.lm = lm
         self.mode = mode
         self.device = device
@@ -118,24 +121,31 @@ class StepRunner:
         self.captures: list[Capture] = []
 
     def _call(self, tables, prompt_embeds, state: DecodeState, kind: StepKind, width: int) -> None:
+        with self.lm.stepping():
+            self._call_step(tables, prompt_embeds, state, kind, width)
+
+    def _call_step(self, tables, prompt_embeds, state: DecodeState, kind: StepKind, width: int) -> None:
         slot_ids = state.slot_ids[:width]
         if self.mode is CaptureMode.EAGER or self.mode is CaptureMode.GRAPH:
             decode_step(self.lm, tables, prompt_embeds, state, kind, slot_ids)
             return
-        # One compiled step serves every width (the length of ``slot_ids``), cache capacity and tree set (the
-        # row, candidate and path counts of its tables): those sizes are symbolic from the first compilation.
-        torch._dynamo.maybe_mark_dynamic(slot_ids, 0)  # "maybe": a width equal to the capacity may specialise
-        for buffer in state.kv.buffers():
-            torch._dynamo.maybe_mark_dynamic(buffer, 2)
-        if tables is not None:
-            _mark_tree_sizes(tables, prompt_embeds)
+        if not self.lm.flex:
+            # One compiled step serves every width (the length of ``slot_ids``), cache capacity and tree set
+            # (the row, candidate and path counts of its tables): those sizes are symbolic from the first
+            # compilation. A FlexAttention step always attends over the whole buffer and is compiled per tree
+            # set: Inductor (torch 2.13) fails on FlexAttention calls that share a mask over symbolic sizes.
+            torch._dynamo.maybe_mark_dynamic(slot_ids, 0)  # "maybe": a width equal to the capacity may specialise
+            for buffer in state.kv.buffers():
+                torch._dynamo.maybe_mark_dynamic(buffer, 2)
+            if tables is not None:
+                _mark_tree_sizes(tables, prompt_embeds)
         if self.mode is CaptureMode.REDUCE_OVERHEAD and id(state) not in self._static:
             # torch's CUDA graphs accept in-place updates only of inputs whose address never changes.
             for tensor in [*state.small_tensors(), *state.kv.buffers(), state.slot_ids]:
                 torch._dynamo.mark_static_address(tensor)
             self._static.add(id(state))
         compiled = compiled_step("reduce-overhead" if self.mode is CaptureMode.REDUCE_OVERHEAD else None)
-        with _compile_limits():
+        with compile_limits(), torch._dynamo.config.patch(automatic_dynamic_shapes=not self.lm.flex):
             compiled(self.lm, tables, prompt_embeds, state, kind, slot_ids)
 
     # ------------------------------------------------------------------ public

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..config import DecodeConfig, DecodeMethod
+from ..config import CaptureMode, DecodeConfig, DecodeMethod
 from ..prefill import average_copies, build_prefill
 from .graphs import StepRunner, captures_graphs, resolve_mode
 from .state import LENGTH, MAX_LENGTH, REASONS, REPORT_HEAD, DecodeState
@@ -62,9 +62,13 @@ class Progress:
                 self.reason[b] = REASONS[reason]
 
 
-def attention_width(need: int, capacity: int, exact: bool) -> int:
+def attention_width(need: int, capacity: int, exact: bool, whole: bool = False) -> int:
     """Cache slots a step attends over: exactly ``need`` when nothing is captured, else the next power of
-    two (at least :data:`MIN_WIDTH`), so that a few captured graphs serve every length."""
+    two (at least :data:`MIN_WIDTH`), so that a few captured graphs serve every length; or, ``whole``, the
+    whole buffer (a FlexAttention step, which reads only the key blocks its rows need whatever its width:
+    one captured or compiled step serves every length)."""
+    if whole:
+        return capacity
     if exact:
         return need
     width = MIN_WIDTH
@@ -73,8 +77,10 @@ def attention_width(need: int, capacity: int, exact: bool) -> int:
     return min(width, capacity)
 
 
-def capture_widths(rows: int, capacity: int) -> list[int]:
+def capture_widths(rows: int, capacity: int, whole: bool = False) -> list[int]:
     """Every width :func:`attention_width` picks for a step of ``rows`` rows, up to ``capacity`` slots."""
+    if whole:
+        return [capacity]
     widths = [attention_width(rows + 1, capacity, exact=False)]
     while widths[-1] < capacity:
         widths.append(attention_width(widths[-1] + 1, capacity, exact=False))
@@ -100,6 +106,7 @@ def decode(decoder: "Decoder", batch: list[list[int]], config: DecodeConfig) -> 
         raise ValueError("method 'ppd' needs prompt tokens (an adapter); use method 'baseline' without one")
     mode = resolve_mode(config.capture, decoder.device)
     exact = not captures_graphs(mode)
+    whole = whole_width(decoder, mode)
     runner = decoder.runner(mode)
     n = len(batch)
     lengths = [len(x) for x in batch]
@@ -122,7 +129,7 @@ def decode(decoder: "Decoder", batch: list[list[int]], config: DecodeConfig) -> 
         host_lengths = [line[3] for line in report]
         step = 0
         while not all(progress.finished()):
-            report = run_step(decoder, runner, state, tables, max(host_lengths), n, kind, exact)
+            report = run_step(decoder, runner, state, tables, max(host_lengths), n, kind, exact, whole)
             step += 1
             progress.current_step = step
             progress.record(report, count_step=True)
@@ -143,8 +150,14 @@ def reset_rows(decoder: "Decoder", state: DecodeState, lengths: list[int], confi
     state.reset(len(lengths), limits, reasons, sorted(eos) if config.stop_on_eos else [], config)
 
 
+def whole_width(decoder: "Decoder", mode: CaptureMode) -> bool:
+    """Whether steps attend over the whole buffer: FlexAttention steps that are compiled or captured (an
+    eager one, written out on a CPU, computes every score it is given)."""
+    return decoder.lm.flex and mode is not CaptureMode.EAGER
+
+
 def run_step(decoder: "Decoder", runner: StepRunner, state: DecodeState, tables: TreeTables | None, longest: int,
-             rows_read: int, kind: StepKind, exact: bool) -> list[list[int]]:
+             rows_read: int, kind: StepKind, exact: bool, whole: bool = False) -> list[list[int]]:
     """One step of every row of ``state`` (verifying ``tables``' trees, or one row each where ``tables`` is
     None), whose longest row has ``longest`` committed tokens; returns the report of the first ``rows_read``
     rows, the step's one host synchronisation. ``kind`` says how the rows sample (its ``tree`` is decided
@@ -152,7 +165,7 @@ def run_step(decoder: "Decoder", runner: StepRunner, state: DecodeState, tables:
     # Near the end of the context window the tree's positions would not fit: one row a step.
     tree = tables is not None and longest + tables.max_offset < decoder.max_positions
     rows = tables.num_rows if tree else 1
-    width = attention_width(longest + rows, state.capacity, exact)
+    width = attention_width(longest + rows, state.capacity, exact, whole)
     kind = replace(kind, tree=tree)
     with torch.no_grad():
         runner.run(tables if tree else None, decoder.prompt_embeds(tables) if tree else None, state, kind, width)

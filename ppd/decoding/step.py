@@ -14,6 +14,7 @@ With ``tables=None`` the same function is one autoregressive step (the root alon
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -26,6 +27,7 @@ from ..config import DecodeConfig
 from ..prefill import average_copies
 from .state import EOS, REPORT_HEAD, RUNNING, DecodeState
 from .support import LogitTransform, UnsupportedModelError, checked_transform, refuse_by_design
+from . import tree_attention
 from .tables import TreeTables
 
 
@@ -44,6 +46,9 @@ class LanguageModel:
     # prompt rows of the accepted node. Cheaper where reading the head's weight is what the head costs
     # (a CPU, a small tree), dearer where its arithmetic is (a GPU, large trees and batches).
     one_head_pass: bool = False
+    # Attention runs FlexAttention over a block mask made from the lengths (``ppd.decoding.tree_attention``)
+    # instead of the model's own attention over a dense float mask.
+    flex: bool = False
 
     @classmethod
     def of(cls, model) -> "LanguageModel":
@@ -62,6 +67,11 @@ class LanguageModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.transform(self.head(hidden))
+
+    def stepping(self):
+        """The context a step's forward runs in: the model's attention layers switched to ppd's FlexAttention
+        function where :attr:`flex` is set (host side: entered around the compiled or captured call)."""
+        return tree_attention.active(self.body.config) if self.flex else contextlib.nullcontext()
 
 
 @dataclass(frozen=True)
@@ -160,13 +170,18 @@ def generate_candidates(lm: LanguageModel, tables: TreeTables | None, prompt_emb
 
 def tree_decoding(lm: LanguageModel, state: DecodeState, rows: Candidates, slot_ids: torch.Tensor) -> torch.Tensor:
     """One forward over every row, written to cache slots ``lengths + [0, T)``; returns hidden states
-    [B, T, hidden] (the final norm applied). Attention sees the slots ``slot_ids``."""
+    [B, T, hidden] (the final norm applied). Attention sees the slots ``slot_ids`` (under
+    :meth:`LanguageModel.stepping` where ``lm.flex`` is set)."""
     lengths = state.lengths
     num_rows = rows.embeds.shape[1]
     positions = lengths[:, None] + rows.offsets
     slots = lengths[:, None] + torch.arange(num_rows, device=lengths.device)[None, :]
-    masks = {kind: step_mask(rows.allowed, lengths, slot_ids, rows.embeds.dtype, rows.offsets, window)
-             for kind, window in lm.layers.kinds.items()}
+    if lm.flex:
+        masks = {kind: tree_attention.tree_block_mask(rows.allowed, lengths, rows.offsets, slot_ids.shape[0], window)
+                 for kind, window in lm.layers.kinds.items()}
+    else:
+        masks = {kind: step_mask(rows.allowed, lengths, slot_ids, rows.embeds.dtype, rows.offsets, window)
+                 for kind, window in lm.layers.kinds.items()}
     return lm.body(inputs_embeds=rows.embeds, attention_mask=lm.layers.pack(masks), position_ids=positions,
                    past_key_values=state.kv.view(slots, slot_ids.shape[0]), use_cache=True).last_hidden_state
 

@@ -221,4 +221,63 @@ def _ppd_forwards(model, lm, ids: torch.Tensor, transform: LogitTransform) -> tu
     return prefill, transform(lm.head(hidden))[0]
 
 
-__all__ = ["LogitTransform", "UnsupportedModelError", "checked_transform", "probe", "refuse_by_design"]
+def tree_attention_gap(model, lm) -> str | None:
+    """Why the model's attention layers cannot run ppd's FlexAttention step exactly, or ``None`` where they
+    can: the probe's tokens prefilled in order through the model's own attention, then one step of the last
+    token through :func:`~ppd.decoding.tree_attention.tree_attention` (over a cache wider than it needs, as
+    a captured step attends); its logits must match the model's own forward as :func:`probe`'s do."""
+    from .tree_attention import active, tree_block_mask
+
+    name = type(model).__name__
+    config = text_config(model.config)
+    layers = LayerAttention.of(model.config)
+    device = lm.embed.weight.device
+    m = PROBE_TOKENS
+    vocab = lm.head.weight.shape[0]
+    ids = torch.tensor([(13 + 7907 * i) % vocab for i in range(m)], device=device)
+    n = m - 1
+    width = n + 3
+    cache = KVBuffer(config.num_hidden_layers, 1, width)
+    positions = torch.arange(m, device=device)
+    with torch.no_grad():
+        own = model(input_ids=ids[None], use_cache=False).logits[0, -1]
+        causal = positions[:n, None] >= positions[None, :n]
+        masks = layers.pack({kind: to_additive((causal if window is None else causal & within_window(
+            positions[:n], positions[:n], window))[None, None], lm.embed.weight.dtype)
+            for kind, window in layers.kinds.items()})
+        model.base_model(input_ids=ids[None, :n], attention_mask=masks, position_ids=positions[None, :n],
+                         past_key_values=cache.view(positions[None, :n], n), use_cache=True)
+        one = torch.ones(1, 1, dtype=torch.bool, device=device)
+        lengths = torch.tensor([n], device=device)
+        offsets = torch.zeros(1, 1, dtype=torch.long, device=device)
+        block_masks = layers.pack({kind: tree_block_mask(one, lengths, offsets, width, window)
+                                   for kind, window in layers.kinds.items()})
+        try:
+            with active(model.config):
+                hidden = lm.body(inputs_embeds=lm.embed(ids[None, n:]), attention_mask=block_masks,
+                                 position_ids=positions[None, n:], use_cache=True,
+                                 past_key_values=cache.view(positions[None, n:], width)).last_hidden_state
+        except Exception as err:  # noqa: BLE001 (any failure means the dense step must be used)
+            return f"{name}'s attention layers cannot run FlexAttention through ppd: {type(err).__name__}: {err}"
+    step = lm.transform(lm.head(hidden))[0, -1].float()
+    wanted = own.float()
+    gap = float((step - wanted).abs().mean() / wanted.std().clamp(min=1e-6))
+    tolerance = _tolerance(own.dtype, PROBE_TOLERANCE)
+    if not gap <= tolerance:
+        return (f"{name}'s logits through ppd's FlexAttention step differ from its own by {gap:.3g} of their "
+                f"spread (allowed {tolerance:.3g}): its attention does more than FlexAttention over a mask")
+    return None
+
+
+_flex_checked: "weakref.WeakKeyDictionary[torch.nn.Module, str | None]" = weakref.WeakKeyDictionary()
+
+
+def checked_tree_attention(model, lm) -> str | None:
+    """:func:`tree_attention_gap`, once per model object."""
+    if model not in _flex_checked:
+        _flex_checked[model] = tree_attention_gap(model, lm)
+    return _flex_checked[model]
+
+
+__all__ = ["LogitTransform", "UnsupportedModelError", "checked_transform", "checked_tree_attention", "probe",
+           "refuse_by_design", "tree_attention_gap"]

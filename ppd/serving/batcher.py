@@ -30,7 +30,7 @@ import torch
 
 from ..config import CaptureMode, DecodeConfig, DecodeMethod
 from ..decoding.graphs import captures_graphs, resolve_mode
-from ..decoding.loop import batch_bucket, capture_widths, prefill, reset_rows, run_step
+from ..decoding.loop import batch_bucket, capture_widths, prefill, reset_rows, run_step, whole_width
 from ..decoding.state import REASONS, REPORT_HEAD, RUNNING, DecodeState
 from ..decoding.step import StepKind
 from .stream import EngineClosedError, QueueFullError, Stream
@@ -68,6 +68,7 @@ class ContinuousBatcher:
         self.config = config or BatcherConfig()
         self.mode = resolve_mode(self.config.capture, decoder.device)
         self._exact = not captures_graphs(self.mode)
+        self._whole = whole_width(decoder, self.mode)
         self._runner = decoder.runner(self.mode)
         self._lanes: dict[DecodeMethod, _Lane] = {}
         self._waiting: collections.deque[_Pending] = collections.deque()
@@ -118,7 +119,7 @@ class ContinuousBatcher:
                 view = lane.view(bucket)
                 if not lane.state.kv.allocated:
                     lane.allocate()
-                widths = capture_widths(tables.num_rows if tables is not None else 1, view.capacity)
+                widths = capture_widths(tables.num_rows if tables is not None else 1, view.capacity, self._whole)
                 with torch.no_grad():
                     self._runner.prepare(tables, lane.prompt_embeds(tables), view,
                                          StepKind(tree=tables is not None, greedy=greedy), widths)
@@ -308,7 +309,7 @@ class _Lane:
         bucket = batcher._bucket(n)
         report = run_step(batcher.decoder, batcher._runner, self.view(bucket), self.tables(bucket),
                           max(row.length for row in self.rows), n, StepKind.of(False, [row.config for row in self.rows]),
-                          batcher._exact)
+                          batcher._exact, batcher._whole)
         batcher.steps_run += 1
         for row, line in zip(self.rows, report):
             self._deliver(row, line, counts_as_step=True)

