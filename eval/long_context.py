@@ -312,7 +312,7 @@ def run(args: argparse.Namespace) -> dict:
         row.pop("token_ids", None)
     return {"model": loaded.info.model_id, "adapter": loaded.adapter, "tree": loaded.tree,
             "max_new_tokens": args.max_new_tokens, "capture": args.capture,
-            "dtype": str(decoder.dtype).removeprefix("torch."), "capacity": decoder.capacity,
+            "dtype": str(decoder.dtype).removeprefix("torch."), "capacity": decoder.capacity, "attention": decoder.attention.value,
             "prompt_source": conversation_source(args.data_path)[0],
             "args": vars(args), "environment": environment(device), "rows": rows}
 

@@ -2,7 +2,8 @@
 
 Usage:
     python -m eval.step_latency --trees results/trees/h200/trees/tree_*.json [--baseline] \\
-        --context 300 --capture compiled_graph --dtype bfloat16 --output results/core/step_latency_h200.json
+        --context 300 --capture compiled_graph --dtype bfloat16 --output results/core/step_latency_h200.json \\
+        [--batch_size 16] [--attention flex]
 
 Each measurement decodes a prompt of ``--context`` tokens with the decoder's own loop (the step compiled
 and captured as ``--capture`` says, the one host read-back per step included) and takes the time per
@@ -35,6 +36,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--baseline", action="store_true", help="also time the one-row autoregressive step")
     parser.add_argument("--context", type=int, default=300, help="prompt tokens before the timed steps")
     parser.add_argument("--steps", type=int, default=64, help="timed steps per measurement")
+    parser.add_argument("--batch_size", type=int, default=1, help="rows decoded together (the same prompt)")
     parser.add_argument("--output", default=None)
     return parser
 
@@ -73,17 +75,18 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         if args.baseline:
             results.append({"tree": "baseline (1 row)", **step_time(decoder, "baseline", args.context, args.steps,
-                                                                    args.capture)})
+                                                                    args.capture, args.batch_size)})
         for name in args.trees or [None]:
             if name is not None:
                 decoder = loaded.decoder.with_trees(TreeSet.load(name))
             results.append({"tree": name or loaded.tree, **step_time(decoder, "ppd", args.context, args.steps,
-                                                                     args.capture)})
+                                                                     args.capture, args.batch_size)})
     print("| tree | rows | step ms | capture s |\n|---|---|---|---|")
     for r in results:
         print(f"| {r['tree']} | {r['rows']} | {r['step_ms']:.2f} | {r['capture_s']:.1f} |")
     if args.output:
         write_json(args.output, {"model": loaded.info.model_id, "context": args.context, "capture": args.capture,
+                                 "batch_size": args.batch_size, "attention": decoder.attention.value,
                                  "dtype": str(decoder.dtype), **environment(decoder.device), "results": results})
     return 0
 

@@ -60,7 +60,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--attention", choices=[a.value for a in StepAttention], default="auto",
                        help="how a decoding step's attention reads the cache: flex (FlexAttention over a block "
                             "mask; its cost does not grow with the cache's width), dense (the model's own attention "
-                            "over a float mask), or auto (flex on CUDA where the model runs it exactly, else dense) "
+                            "over a float mask), or auto (dense: measured faster so far) "
                             "(default: %(default)s)")
     group.add_argument("--packed_weights", choices=["auto", "off"], default="auto",
                        help="multiply tree steps with weights packed for their row count: auto (a float32 model on "

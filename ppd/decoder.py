@@ -105,8 +105,8 @@ class Decoder:
     are unchanged. On a CPU a tree step also computes the LM head in one pass over all its rows.
 
     ``attention`` says how a step's attention reads the cache (:class:`~ppd.config.StepAttention`):
-    FlexAttention over a block mask, whose cost does not grow with the cache's width (``auto`` on CUDA where
-    the model runs it exactly), or the model's own attention over a dense float mask.
+    FlexAttention over a block mask, whose cost does not grow with the cache's width, or the model's own
+    attention over a dense float mask (``auto``).
     """
 
     def __init__(
@@ -170,12 +170,12 @@ class Decoder:
 
     # ------------------------------------------------------------------ properties and set-up
     def _use_flex(self, attention: StepAttention) -> bool:
-        if attention is StepAttention.DENSE or (attention is StepAttention.AUTO and self.device.type != "cuda"):
+        if attention is not StepAttention.FLEX:
             return False
         gap = checked_tree_attention(self.model, self.lm)
-        if gap is not None and attention is StepAttention.FLEX:
+        if gap is not None:
             raise UnsupportedModelError(f"attention 'flex' is not available for this model: {gap}; use 'dense'")
-        return gap is None
+        return True
 
     @property
     def attention(self) -> StepAttention:

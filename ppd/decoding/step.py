@@ -49,6 +49,7 @@ class LanguageModel:
     # Attention runs FlexAttention over a block mask made from the lengths (``ppd.decoding.tree_attention``)
     # instead of the model's own attention over a dense float mask.
     flex: bool = False
+    query_group: int = 1  # query heads per key head (FlexAttention's block masks lay their rows out by it)
 
     @classmethod
     def of(cls, model) -> "LanguageModel":
@@ -62,6 +63,9 @@ class LanguageModel:
             raise UnsupportedModelError(f"{type(model).__name__} exposes no base model under its head: not a "
                                         "causal LM as transformers builds them")
         lm = cls(model.get_input_embeddings(), body, model.get_output_embeddings(), layers)
+        text = model.config.get_text_config()
+        heads = getattr(text, "num_attention_heads", None) or 1
+        lm.query_group = max(heads // (getattr(text, "num_key_value_heads", None) or heads), 1)
         lm.transform = checked_transform(model, lm)
         return lm
 
@@ -177,7 +181,8 @@ def tree_decoding(lm: LanguageModel, state: DecodeState, rows: Candidates, slot_
     positions = lengths[:, None] + rows.offsets
     slots = lengths[:, None] + torch.arange(num_rows, device=lengths.device)[None, :]
     if lm.flex:
-        masks = {kind: tree_attention.tree_block_mask(rows.allowed, lengths, rows.offsets, slot_ids.shape[0], window)
+        masks = {kind: tree_attention.tree_block_mask(rows.allowed, lengths, rows.offsets, slot_ids.shape[0], window,
+                                                      lm.query_group)
                  for kind, window in lm.layers.kinds.items()}
     else:
         masks = {kind: step_mask(rows.allowed, lengths, slot_ids, rows.embeds.dtype, rows.offsets, window)

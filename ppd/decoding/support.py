@@ -195,8 +195,8 @@ def _ppd_forwards(model, lm, ids: torch.Tensor, transform: LogitTransform) -> tu
 
     embeds = lm.embed(tokens[None])
     generator = torch.Generator().manual_seed(0)
-    decoy = torch.randn(embeds.shape[-1], generator=generator) * embeds.float().std()
-    embeds[0, 1] = decoy.to(device=device, dtype=embeds.dtype)
+    decoy = torch.randn(embeds.shape[-1], generator=generator).to(device) * embeds.float().std()
+    embeds[0, 1] = decoy.to(embeds.dtype)
     allowed = (real[:, None] & real[None, :] & (positions[None, :] <= positions[:, None])) | (~real[:, None] & eye)
     cache = KVBuffer(text_config(model.config).num_hidden_layers, 1, n + 2)
     keep = torch.nonzero(real).flatten()
@@ -250,7 +250,7 @@ def tree_attention_gap(model, lm) -> str | None:
         one = torch.ones(1, 1, dtype=torch.bool, device=device)
         lengths = torch.tensor([n], device=device)
         offsets = torch.zeros(1, 1, dtype=torch.long, device=device)
-        block_masks = layers.pack({kind: tree_block_mask(one, lengths, offsets, width, window)
+        block_masks = layers.pack({kind: tree_block_mask(one, lengths, offsets, width, window, lm.query_group)
                                    for kind, window in layers.kinds.items()})
         try:
             with active(model.config):
