@@ -174,6 +174,14 @@ def _head_transform(name: str, config, own: torch.Tensor, head: torch.Tensor) ->
         "the logits of its tree rows that way, so it cannot decode this model exactly")
 
 
+def _masks(layers: LayerAttention, allowed: torch.Tensor, query_positions: torch.Tensor,
+           key_positions: torch.Tensor, dtype: torch.dtype):
+    """The model's ``attention_mask`` for one sequence: ``allowed`` [Q, K], narrowed by each sliding layer's
+    window, as float masks per attention kind."""
+    return layers.pack({kind: to_additive((allowed if window is None else allowed & within_window(
+        query_positions, key_positions, window))[None, None], dtype) for kind, window in layers.kinds.items()})
+
+
 def _ppd_forwards(model, lm, ids: torch.Tensor, transform: LogitTransform) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits of ``ids[:-1]`` through a prefill the way ppd lays one out (the model's own head, with
     ``logits_to_keep``), and of ``ids[-1]`` through one step over that cache (base model, then ``lm.head``
@@ -189,10 +197,6 @@ def _ppd_forwards(model, lm, ids: torch.Tensor, transform: LogitTransform) -> tu
     real[1] = False
     eye = torch.eye(n + 1, dtype=torch.bool, device=device)
 
-    def masks(allowed: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor, dtype):
-        return layers.pack({kind: to_additive((allowed if window is None else allowed & within_window(
-            query_positions, key_positions, window))[None, None], dtype) for kind, window in layers.kinds.items()})
-
     embeds = lm.embed(tokens[None])
     generator = torch.Generator().manual_seed(0)
     decoy = torch.randn(embeds.shape[-1], generator=generator).to(device) * embeds.float().std()
@@ -201,7 +205,7 @@ def _ppd_forwards(model, lm, ids: torch.Tensor, transform: LogitTransform) -> tu
     cache = KVBuffer(text_config(model.config).num_hidden_layers, 1, n + 2)
     keep = torch.nonzero(real).flatten()
     slots = torch.arange(n + 1, device=device)[None]
-    out = model(inputs_embeds=embeds, attention_mask=masks(allowed, positions, positions, embeds.dtype),
+    out = model(inputs_embeds=embeds, attention_mask=_masks(layers, allowed, positions, positions, embeds.dtype),
                 position_ids=positions[None], past_key_values=cache.view(slots, n + 1), use_cache=True,
                 logits_to_keep=keep)
     if out.logits.shape[1] != keep.shape[0]:
@@ -214,8 +218,8 @@ def _ppd_forwards(model, lm, ids: torch.Tensor, transform: LogitTransform) -> tu
     step_allowed = torch.cat([real, torch.ones(1, dtype=torch.bool, device=device)])[None]  # [1, n + 2]
     step_positions = torch.tensor([n], device=device)
     key_positions = torch.cat([positions, step_positions])
-    hidden = lm.body(inputs_embeds=step_embeds, attention_mask=masks(step_allowed, step_positions, key_positions,
-                                                                      step_embeds.dtype),
+    hidden = lm.body(inputs_embeds=step_embeds, attention_mask=_masks(layers, step_allowed, step_positions,
+                                                                       key_positions, step_embeds.dtype),
                      position_ids=step_positions[None], use_cache=True,
                      past_key_values=cache.view(torch.tensor([[n + 1]], device=device), n + 2)).last_hidden_state
     return prefill, transform(lm.head(hidden))[0]
@@ -242,10 +246,8 @@ def tree_attention_gap(model, lm) -> str | None:
     with torch.no_grad():
         own = model(input_ids=ids[None], use_cache=False).logits[0, -1]
         causal = positions[:n, None] >= positions[None, :n]
-        masks = layers.pack({kind: to_additive((causal if window is None else causal & within_window(
-            positions[:n], positions[:n], window))[None, None], lm.embed.weight.dtype)
-            for kind, window in layers.kinds.items()})
-        model.base_model(input_ids=ids[None, :n], attention_mask=masks, position_ids=positions[None, :n],
+        masks = _masks(layers, causal, positions[:n], positions[:n], lm.embed.weight.dtype)
+        lm.body(input_ids=ids[None, :n], attention_mask=masks, position_ids=positions[None, :n],
                          past_key_values=cache.view(positions[None, :n], n), use_cache=True)
         one = torch.ones(1, 1, dtype=torch.bool, device=device)
         lengths = torch.tensor([n], device=device)
