@@ -17,9 +17,10 @@ decoder's capacity (``--max_seq_len``, at most the model's context window), is r
 
 For each context, batch size and method: untimed warm-up (``ppd``/``baseline``: capture and compilation, then
 one short generation; ``hf_static``: two whole generations at the same shape, which compile on a GPU, one on a
-CPU, where transformers does not compile), a timed one-token generation of the batch (its prefill), then the
-timed generation, with the peak GPU memory (the engine's cache holds ``--max_seq_len`` tokens per row whatever
-the context, and stays allocated for each batch size run before). Decode-only throughput is (new tokens -
+CPU, where transformers does not compile), then the timed generation, with the peak GPU memory (the engine's
+cache holds ``--max_seq_len`` tokens per row whatever the context, and stays allocated for each batch size run
+before). Its prefill time is the time until the prefill's tokens were read back in the same run
+(``hf_static``: a timed one-token generation of the batch after it). Decode-only throughput is (new tokens -
 batch) / (wall time - prefill time); end-to-end throughput is new tokens / wall time. Greedy outputs are
 compared with the baseline's (``hf_static``'s without a baseline). A combination that runs out of GPU memory
 is recorded with its error and the run goes on. Writes JSON, a markdown table and a plot of PPD's decode-only
@@ -218,7 +219,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def measure(loaded, method: str, prompts: list[list[int]], args: argparse.Namespace) -> dict:
-    """Warm up, time the prefill (a one-token generation) and the whole generation of one batch."""
+    """Warm up, then time the whole generation of one batch and its prefill."""
     decoder = loaded.decoder
     device = decoder.device
     batch = len(prompts)
@@ -227,7 +228,7 @@ def measure(loaded, method: str, prompts: list[list[int]], args: argparse.Namesp
         def generate(max_new_tokens):
             outs = decoder.generate(prompts, DecodeConfig(method=method, max_new_tokens=max_new_tokens,
                                                           capture=args.capture))
-            return [o.token_ids for o in outs], outs[0].wall_time_s, [o.steps for o in outs]
+            return [o.token_ids for o in outs], outs[0].wall_time_s, [o.steps for o in outs], outs[0].prefill_time_s
 
         warmup_s = decoder.warmup(batch_sizes=[batch], methods=[method], capture=args.capture)
         generate(WARMUP_TOKENS)
@@ -237,15 +238,16 @@ def measure(loaded, method: str, prompts: list[list[int]], args: argparse.Namesp
 
         def generate(max_new_tokens):
             tokens, wall = hf_static_generate(loaded.model, prompts, max_new_tokens, decoder.eos_token_ids, pad)
-            return tokens, wall, None
+            return tokens, wall, None, None
 
         for _ in range(2 if device.type == "cuda" else 1):  # transformers compiles on a GPU only
             generate(args.max_new_tokens)
-    _, prefill_s, _ = generate(1)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    tokens, wall, steps = generate(args.max_new_tokens)
+    tokens, wall, steps, prefill_s = generate(args.max_new_tokens)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    if prefill_s is None:  # generate gives no time of its prefill: a one-token generation of the batch's
+        _, prefill_s, _, _ = generate(1)
     new_tokens = sum(len(t) for t in tokens)
     decode_s = wall - prefill_s
     return {"new_tokens": new_tokens, "steps": sum(steps) if steps else None,
@@ -373,7 +375,7 @@ def plot(result: dict, path: str) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context length (prompt + new tokens)")
     ax.set_ylabel("decode tokens/s / baseline")
-    ax.set_title(f"{result['model']}, {result['dtype']}, {result['environment']['device']}")
+    ax.set_title(f"{result['model']}, {result['dtype']}, {result['environment']['device']}", fontsize=9)
     ax.legend()
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ Usage:
 
 Each measurement decodes a prompt of ``--context`` tokens with the decoder's own loop (the step compiled
 and captured as ``--capture`` says, the one host read-back per step included) and takes the time per
-step from two runs of different lengths, so the prefill drops out. Capturing (and compiling) happens
+step from the time between the prefill's read-back and the end of the run, so the prefill drops out. Capturing (and compiling) happens
 in an untimed warm-up and its seconds are reported beside the step time. Writes JSON and a table.
 """
 
@@ -52,15 +52,14 @@ def step_time(decoder: Decoder, method: str, context: int, steps: int, capture: 
         config = DecodeConfig(method=method, max_new_tokens=n, stop_on_eos=False, capture=capture)
         start = time.perf_counter()
         out = decoder.generate([prompt] * batch_size, config)
-        return time.perf_counter() - start, max(o.steps for o in out)
+        return time.perf_counter() - start, out
 
     captured = decoder.captures[:]
-    start = time.perf_counter()
-    run(steps * 4)  # warm-up: compiles and captures every width the timed runs reach
-    warmup = time.perf_counter() - start
-    short_s, short_steps = run(steps // 4 + 1)
-    long_s, long_steps = run(steps * 2)
-    per_step = (long_s - short_s) / max(long_steps - short_steps, 1)
+    warmup, _ = run(steps * 2)  # compiles and captures every width the timed run reaches
+    _, out = run(steps)
+    # From the prefill's read-back to the end: the steps alone, each with its one host read-back, timed in
+    # one run (two runs of different lengths would add the jitter of two long prefills to the difference).
+    per_step = (out[0].wall_time_s - out[0].prefill_time_s) / max(max(o.steps for o in out), 1)
     new = [c for c in decoder.captures if c not in captured]
     return {"method": method, "rows": decoder.tables.num_rows if method == "ppd" else 1, "batch_size": batch_size,
             "step_ms": 1e3 * per_step, "warmup_s": warmup, "captures": len(new),

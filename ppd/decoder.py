@@ -24,7 +24,7 @@ from .decoding.packed_linear import pack_linears
 from .decoding.state import DecodeState, StatePool
 from .decoding.step import LanguageModel, StepKind
 from .decoding.support import UnsupportedModelError, checked_tree_attention
-from .decoding.tree_attention import BLOCK
+from .decoding.tree_attention import BLOCK, MIN_CHUNK
 from .decoding.tables import TreeTables
 from .policy import BatchPolicy
 from .prompt_tokens import PromptTokens
@@ -54,6 +54,8 @@ class GenerationOutput:
     finish_reason: str  # "eos" | "length" | "max_length"
     wall_time_s: float
     step_tokens: list[int] = field(default_factory=list)  # tokens emitted by each step
+    # Of ``wall_time_s``, the seconds until the prefill's first token was on the host (the rest: the steps).
+    prefill_time_s: float = 0.0
 
     @property
     def new_tokens(self) -> int:
@@ -220,8 +222,10 @@ class Decoder:
         # Room past the longest committed prefix for one step's rows (or the prefill's prompt rows).
         # A step emits at most N + 1 tokens (a path is at most N deep), whatever the tree set.
         layers = self.model.config.get_text_config().num_hidden_layers  # a multimodal model: its text model's
-        # Whole key blocks of FlexAttention's size, so that a step may attend over the whole buffer.
-        slots = -(-(self.capacity + rows) // BLOCK) * BLOCK
+        # Whole key blocks of FlexAttention's size, so that a step may attend over the whole buffer; with
+        # FlexAttention, whole pieces of MIN_CHUNK slots, so that a step may split the buffer into pieces.
+        unit = MIN_CHUNK if self.lm.flex else BLOCK
+        slots = -(-(self.capacity + rows) // unit) * unit
         return DecodeState(layers, batch_size, slots, n_prompt, t.top_k if t else 0, n_prompt + 1, MAX_EOS_IDS,
                            self.device)
 
@@ -300,15 +304,16 @@ class Decoder:
         single = len(input_ids) > 0 and isinstance(input_ids[0], int)
         batch = [list(input_ids)] if single else [list(x) for x in input_ids]
         start = time.perf_counter()
-        progress = None
+        progress = prefilled = None
         for progress in decode(self, batch, config):
-            pass
+            # The first report follows the prefill, read back to the host: the step time starts here.
+            prefilled = prefilled or time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        wall = time.perf_counter() - start
+        end = time.perf_counter()
         outputs = [
-            GenerationOutput(progress.tokens[b], progress.steps[b], progress.reason[b] or "length", wall,
-                             progress.step_tokens[b])
+            GenerationOutput(progress.tokens[b], progress.steps[b], progress.reason[b] or "length", end - start,
+                             progress.step_tokens[b], prefilled - start)
             for b in range(len(batch))
         ]
         return outputs[0] if single else outputs

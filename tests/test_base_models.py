@@ -6,7 +6,6 @@ local base model would be: no template, no ppd metadata, no shipped adapter."""
 
 import json
 import logging
-import shutil
 import subprocess
 import sys
 from pathlib import Path

@@ -9,7 +9,6 @@ and a test function fails when any of its p-values is below ``ALPHA`` divided by
 
 from __future__ import annotations
 
-import itertools
 
 import numpy as np
 import pytest

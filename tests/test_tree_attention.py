@@ -40,12 +40,70 @@ def test_the_block_mask_sees_what_the_dense_step_mask_sees(window, rows, width, 
     allowed, offsets = random_tree_inputs(rows, lengths.shape[0], rows)
     block_mask = tree_block_mask(allowed, lengths, offsets, width, window, group)
     want = step_mask(allowed, lengths, torch.arange(width), torch.float32, offsets, window)[:, 0] == 0
-    assert torch.equal(visible(block_mask), want.repeat_interleave(group, dim=1))
+    assert torch.equal(visible(block_mask)[:, 0], want.repeat_interleave(group, dim=1))
     # No block is both full and partial.
     for b in range(lengths.shape[0]):
         full = set(block_mask.full_kv_indices[b, 0, 0, : block_mask.full_kv_num_blocks[b, 0, 0]].tolist())
         part = set(block_mask.kv_indices[b, 0, 0, : block_mask.kv_num_blocks[b, 0, 0]].tolist())
         assert not full & part
+
+
+@pytest.mark.parametrize("window", [None, 100, 300])
+@pytest.mark.parametrize("rows,group", [(5, 1), (50, 3)])
+@pytest.mark.parametrize("chunks", [2, 4])
+def test_a_split_block_mask_sees_in_its_pieces_what_the_dense_step_mask_sees(window, rows, group, chunks):
+    """Split into pieces, head ``k * chunks + s`` sees in piece s (its slots counted from the piece's start)
+    what the dense mask shows there, for every key head k."""
+    width, key_heads = 2048, 2
+    lengths = torch.tensor([0, 250, 2 * BLOCK, 1000, width - rows])
+    allowed, offsets = random_tree_inputs(rows + chunks, lengths.shape[0], rows)
+    block_mask = tree_block_mask(allowed, lengths, offsets, width, window, group, chunks, key_heads)
+    want = (step_mask(allowed, lengths, torch.arange(width), torch.float32, offsets, window)[:, 0] == 0
+            ).repeat_interleave(group, dim=1)
+    seen = visible(block_mask)  # [B, key heads * chunks, rows * group, width / chunks]
+    assert seen.shape[1] == key_heads * chunks
+    for k in range(key_heads):
+        assert torch.equal(torch.cat([seen[:, k * chunks + s] for s in range(chunks)], dim=-1), want)
+    with pytest.raises(ValueError, match="does not split"):
+        tree_block_mask(allowed, lengths, offsets, 900, window, group, chunks, key_heads)
+
+
+def test_a_split_step_is_chosen_only_where_the_kernel_would_not_split_the_keys_itself(monkeypatch):
+    from ppd.decoding import tree_attention
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(tree_attention, "_multiprocessors", lambda device: 132)
+    assert tree_attention.kv_chunks(1, 3, 48, 8704, cuda) == 1  # decoding kernel: it splits the keys itself
+    chunks = tree_attention.kv_chunks(1, 3, 192, 8704, cuda)  # 6 programs unsplit
+    assert chunks > 1 and 8704 % (chunks * BLOCK) == 0 and 8704 // chunks >= tree_attention.MIN_CHUNK
+    assert tree_attention.kv_chunks(64, 3, 192, 8704, cuda) == 1  # 384 programs fill the GPU already
+    assert tree_attention.kv_chunks(16, 3, 192, 8704, cuda) == 1  # 96: measured slower split than whole
+    assert tree_attention.kv_chunks(1, 3, 192, 8704, torch.device("cpu")) == 1
+    monkeypatch.setenv("PPD_FLEX_SPLIT", "off")
+    assert tree_attention.kv_chunks(1, 3, 192, 8704, cuda) == 1
+    monkeypatch.setenv("PPD_FLEX_SPLIT", "always")
+    assert tree_attention.kv_chunks(1, 3, 48, 8704, cuda) > 1
+    monkeypatch.setenv("PPD_FLEX_SPLIT", "sometimes")
+    with pytest.raises(ValueError, match="PPD_FLEX_SPLIT"):
+        tree_attention.kv_chunks(1, 3, 48, 8704, cuda)
+
+
+def split_in(monkeypatch, chunks: int) -> list[int]:
+    """Make every FlexAttention tree step attend over the whole buffer, as a captured one does, split into
+    ``chunks`` pieces (a CPU never would); returns the list of the split steps' widths, filled as they run."""
+    from ppd.decoding import loop, tree_attention
+
+    split: list[int] = []
+
+    def kv_chunks(batch, heads, rows, width, device):
+        assert width % (chunks * BLOCK) == 0
+        if chunks > 1:
+            split.append(width)
+        return chunks
+
+    monkeypatch.setattr(tree_attention, "kv_chunks", kv_chunks)
+    monkeypatch.setattr(loop, "whole_width", lambda decoder, mode: decoder.lm.flex)
+    return split
 
 
 @pytest.mark.parametrize("window", [None, 200])
@@ -63,20 +121,27 @@ def test_partial_blocks_do_not_grow_with_the_cache(window):
         assert read <= -(-(length + rows) // BLOCK)
 
 
+@pytest.mark.parametrize("chunks", [1, 2])
 @pytest.mark.parametrize("arch,window", ARCHS)
-def test_flex_tree_forward_equals_per_path_forward_on_a_long_prompt(arch, window):
+def test_flex_tree_forward_equals_per_path_forward_on_a_long_prompt(arch, window, chunks, monkeypatch):
     """Every node row of a FlexAttention tree step equals the model's own forward over its root-to-node path
     after a prompt of :data:`LONG` tokens, and every prompt row the prefill of that path; attending over the
-    whole cache, stale slots hidden by the block mask."""
+    whole cache, stale slots hidden by the block mask; in one piece, or split into two merged by their
+    log-sum-exp."""
+    split = split_in(monkeypatch, chunks)
     model = tiny_model(arch, window=window, seed=5, max_positions=1024)
     pt = random_prompt_tokens(model, n=3, v=2, seed=5)
     decoder = Decoder(model, pt, random_tree_set(5, size=12), attention="flex")
     assert decoder.attention.value == "flex"
     assert_tree_rows_equal_own_forward(decoder, [(7 * i + 3) % model.config.vocab_size for i in range(LONG)])
+    assert bool(split) == (chunks > 1)
 
 
+@pytest.mark.parametrize("chunks", [1, 3])
 @pytest.mark.parametrize("arch,window", ARCHS)
-def test_flex_decoding_equals_dense_and_generate_with_prompts_of_different_lengths(arch, window):
+def test_flex_decoding_equals_dense_and_generate_with_prompts_of_different_lengths(arch, window, chunks,
+                                                                                    monkeypatch):
+    split = split_in(monkeypatch, chunks)
     model = tiny_model(arch, window=window, seed=9, max_positions=1024)
     vocab = model.config.vocab_size
     rng = random.Random(arch)
@@ -91,14 +156,19 @@ def test_flex_decoding_equals_dense_and_generate_with_prompts_of_different_lengt
     for prompt, a, b, c in zip(prompts, ppd, base, ref):
         assert a.token_ids == b.token_ids == c.token_ids == hf_greedy(model, prompt, 40)
     assert sum(o.steps for o in ppd) < sum(o.steps for o in base)  # guesses were accepted
+    assert bool(split) == (chunks > 1)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's kernels compile on CUDA only")
-@pytest.mark.parametrize("capture", ["compile", "compiled_graph", "graph"])
-def test_a_captured_flex_step_equals_the_eager_one(capture):
+@pytest.mark.parametrize("capture,split", [("compile", "auto"), ("compiled_graph", "auto"), ("graph", "auto"),
+                                           ("compiled_graph", "always")])
+def test_a_captured_flex_step_equals_the_eager_one(capture, split, monkeypatch):
     """The compiled and captured step runs FlexAttention's own kernel, block tables and all, over the whole
-    buffer; the eager step (the written-out reference on the same tables) and transformers agree."""
+    buffer (with ``split`` = ``always``, split into pieces merged by their log-sum-exp); the eager step (the
+    written-out reference on the same tables) and transformers agree."""
     from transformers import MistralConfig, MistralForCausalLM
+
+    monkeypatch.setenv("PPD_FLEX_SPLIT", split)
 
     torch.manual_seed(13)  # FlexAttention's GPU kernels want heads of at least 16 dimensions
     config = MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,

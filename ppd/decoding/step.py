@@ -50,6 +50,7 @@ class LanguageModel:
     # instead of the model's own attention over a dense float mask.
     flex: bool = False
     query_group: int = 1  # query heads per key head (FlexAttention's block masks lay their rows out by it)
+    key_heads: int = 1  # key heads of an attention layer (a split FlexAttention step makes heads of its pieces)
 
     @classmethod
     def of(cls, model) -> "LanguageModel":
@@ -66,6 +67,7 @@ class LanguageModel:
         text = model.config.get_text_config()
         heads = getattr(text, "num_attention_heads", None) or 1
         lm.query_group = max(heads // (getattr(text, "num_key_value_heads", None) or heads), 1)
+        lm.key_heads = max(heads // lm.query_group, 1)
         lm.transform = checked_transform(model, lm)
         return lm
 
@@ -181,8 +183,10 @@ def tree_decoding(lm: LanguageModel, state: DecodeState, rows: Candidates, slot_
     positions = lengths[:, None] + rows.offsets
     slots = lengths[:, None] + torch.arange(num_rows, device=lengths.device)[None, :]
     if lm.flex:
-        masks = {kind: tree_attention.tree_block_mask(rows.allowed, lengths, rows.offsets, slot_ids.shape[0], window,
-                                                      lm.query_group)
+        width, key_heads = slot_ids.shape[0], lm.key_heads
+        chunks = tree_attention.kv_chunks(lengths.shape[0], key_heads, num_rows * lm.query_group, width, lengths.device)
+        masks = {kind: tree_attention.tree_block_mask(rows.allowed, lengths, rows.offsets, width, window,
+                                                      lm.query_group, chunks, key_heads)
                  for kind, window in lm.layers.kinds.items()}
     else:
         masks = {kind: step_mask(rows.allowed, lengths, slot_ids, rows.embeds.dtype, rows.offsets, window)
