@@ -25,6 +25,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 CACHE_ENV = "PPD_CACHE_DIR"
+CPU_BF16_ENV = "PPD_CPU_BF16"  # auto | 0 | 1: whether dtype "auto" picks bfloat16 on a CPU (auto: if native)
 # What the Hugging Face Hub accepts as a repository id: "name" or "org/name". Anything else that is not an
 # existing path (an absolute path, "./x", "a/b/c") is a folder that is missing.
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
@@ -87,11 +88,20 @@ def cpu_has_native_bf16() -> bool:
     return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
 
 
+def cpu_prefers_bf16() -> bool:
+    """Whether ``auto`` means bfloat16 on this CPU: ``$PPD_CPU_BF16`` if set (``1`` or ``0``), else whether
+    the CPU multiplies bfloat16 in hardware (:func:`cpu_has_native_bf16`)."""
+    setting = os.environ.get(CPU_BF16_ENV, "auto")
+    if setting not in ("auto", "0", "1"):
+        raise ValueError(f"${CPU_BF16_ENV} must be auto, 0 or 1, got {setting!r}")
+    return cpu_has_native_bf16() if setting == "auto" else setting == "1"
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     """The dtype the caller names ("float16", "bfloat16", "float32"), else ("auto" or None) bfloat16 on a GPU
-    and on a CPU that multiplies it in hardware (:func:`cpu_has_native_bf16`), float32 on any other CPU."""
+    and on a CPU that multiplies it in hardware (:func:`cpu_prefers_bf16`), float32 on any other CPU."""
     if dtype is None or dtype == "auto":
-        native = device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16())
+        native = device.type == "cuda" or (device.type == "cpu" and cpu_prefers_bf16())
         return torch.bfloat16 if native else torch.float32
     if isinstance(dtype, torch.dtype):
         return dtype

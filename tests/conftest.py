@@ -15,6 +15,9 @@ TINY_VOCAB = 24
 # ``auto`` compiles the step on a CPU, tens of seconds per model and step kind; the suite's decoders run
 # eagerly unless a test names a mode (the compiled CPU path has tests of its own, tests/test_cpu_path.py).
 os.environ.setdefault("PPD_CAPTURE", "eager")
+# ``auto`` means bfloat16 on a CPU with bfloat16 instructions (AVX-512 BF16, AMX); the suite's equivalences
+# with transformers' float32 forward run in float32 on every CPU, and its bfloat16 tests name the dtype.
+os.environ.setdefault("PPD_CPU_BF16", "0")
 
 
 def tiny_model(arch: str = "llama", vocab: int = TINY_VOCAB, seed: int = 0, max_positions: int = 512,

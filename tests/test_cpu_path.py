@@ -89,11 +89,20 @@ def test_packed_ppd_greedy_equals_generate(arch):
     assert 1 not in decoder.packed[0].packs
 
 
-def test_auto_dtype_follows_the_cpu():
+def test_auto_dtype_follows_the_cpu(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("PPD_CPU_BF16", "auto")
     expected = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-    assert resolve_dtype(None, torch.device("cpu")) is expected
-    assert resolve_dtype("auto", torch.device("cpu")) is expected
-    assert resolve_dtype("float32", torch.device("cpu")) is torch.float32
+    assert resolve_dtype(None, cpu) is expected
+    assert resolve_dtype("auto", cpu) is expected
+    assert resolve_dtype("float32", cpu) is torch.float32
+    for setting, dtype in (("0", torch.float32), ("1", torch.bfloat16)):  # the override, either way
+        monkeypatch.setenv("PPD_CPU_BF16", setting)
+        assert resolve_dtype(None, cpu) is dtype
+        assert resolve_dtype("float32", cpu) is torch.float32
+    monkeypatch.setenv("PPD_CPU_BF16", "yes")
+    with pytest.raises(ValueError, match="PPD_CPU_BF16 must be auto, 0 or 1"):
+        resolve_dtype(None, cpu)
 
 
 def test_real_model_bf16_agrees_with_fp32_on_the_first_tokens(real_model):

@@ -347,3 +347,22 @@ def test_cpu_speed_summary_on_hand_made_answers(tmp_path):
     text = cpu_speed.table(list(rows.values()))
     assert "| float32_ppd | eager | False | 2 | 16.0 | 2.00 | 2.00x | 4.00x | 50% | 50% |" in text
     assert "| reference | eager | False | 2 | 4.0 | 1.00 | - | 1.00x | - | 100% |" in text
+
+
+def test_step_latency_and_step_profile_on_the_real_model(tmp_path):
+    """Both time the steps alone (from the prefill's read-back) and write their JSON: the one-row step and
+    the adapter's tree, with the profile's operators per step (a CPU's operators stand for kernels)."""
+    from eval import step_latency, step_profile
+
+    common = ["--context", "24", "--steps", "6", "--capture", "eager", "--dtype", "float32"]
+    assert step_latency.main([*common, "--baseline", "--output", str(tmp_path / "latency.json")]) == 0
+    latency = json.loads((tmp_path / "latency.json").read_text())["results"]
+    assert [r["rows"] for r in latency][0] == 1 and latency[1]["rows"] > 1
+    assert all(r["step_ms"] > 0 for r in latency)
+    assert step_profile.main([*common, "--top", "4", "--output", str(tmp_path / "profile.json")]) == 0
+    profile = json.loads((tmp_path / "profile.json").read_text())
+    base, tree = profile["results"]
+    assert base["rows"] == 1 and tree["rows"] > 1 and profile["command"].startswith("python -m eval.step_profile")
+    for result in (base, tree):
+        assert result["kernels_per_step"] > 0 and result["device_us_per_step"] > 0
+        assert len(result["top"]) == 4 and result["top"][0]["us_per_step"] >= result["top"][-1]["us_per_step"]

@@ -1,0 +1,114 @@
+"""Where a decoding step's time goes: the GPU kernels of the one-row step and of tree steps, per step.
+
+Usage:
+    python -m eval.step_profile --trees results/trees/h200/trees/tree_16.json --context 300 \\
+        --dtype bfloat16 --output results/core/step_profile.json
+
+For the baseline's one-row step and each tree set: an untimed warm-up (compilation and capture, as
+``--capture`` says), then ``--steps`` new tokens decoded under ``torch.profiler`` after a prompt of
+``--context`` tokens, the profiler started once the prefill is read back. Reports per step: the wall time,
+the number of kernels and their summed device time (the rest of the wall time is the device idle between
+kernels: launches, the host's read-back), and the kernels that take the most device time; on a CPU, the
+operators and their own CPU time instead. Writes JSON and a
+markdown table; compare a tree step's lines with the one-row step's to see what the tree adds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_decoder_or_exit
+from ppd.config import DecodeConfig
+from ppd.decoder import Decoder
+from ppd.decoding.loop import decode
+from ppd.tree import TreeSet
+
+from .records import environment, write_json
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m eval.step_profile", description=__doc__.split("\n")[0])
+    add_model_args(parser)
+    add_adapter_args(parser)
+    add_engine_args(parser)
+    parser.add_argument("--trees", nargs="*", default=[], help="tree-set JSON files to profile (default: the adapter's)")
+    parser.add_argument("--context", type=int, default=300, help="prompt tokens before the profiled steps")
+    parser.add_argument("--steps", type=int, default=64, help="new tokens decoded under the profiler")
+    parser.add_argument("--batch_size", type=int, default=1)
+    parser.add_argument("--top", type=int, default=15, help="kernels listed per step kind")
+    parser.add_argument("--output", default=None)
+    return parser
+
+
+def profile_steps(decoder: Decoder, method: str, args: argparse.Namespace) -> dict:
+    """Kernels per step of ``method`` (see the module docstring)."""
+    vocab = decoder.model.config.vocab_size
+    prompt = [(31 * i + 7) % vocab for i in range(args.context)]
+    batch = [prompt] * args.batch_size
+
+    def config(n: int) -> DecodeConfig:
+        return DecodeConfig(method=method, max_new_tokens=n, stop_on_eos=False, capture=args.capture)
+
+    decoder.generate(batch, config(args.steps * 2))  # compiles and captures
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if decoder.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    profiler = torch.profiler.profile(activities=activities)
+    progress, start = None, None
+    for progress in decode(decoder, batch, config(args.steps)):
+        if start is None:  # the prefill is read back: profile the steps alone
+            profiler.start()
+            start = time.perf_counter()
+    if decoder.device.type == "cuda":
+        torch.cuda.synchronize(decoder.device)
+    wall = time.perf_counter() - start
+    profiler.stop()
+    steps = max(max(progress.steps), 1)
+    kernels: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    on_cpu = decoder.device.type == "cpu"  # then the operators' own CPU time stands for the kernels'
+    for event in profiler.events():
+        if (event.device_type == torch.autograd.DeviceType.CPU) == on_cpu:
+            entry = kernels[event.name]
+            entry[0] += 1
+            entry[1] += event.self_cpu_time_total if on_cpu else event.time_range.elapsed_us()
+    rows = sorted(([name, count / steps, total / steps] for name, (count, total) in kernels.items()),
+                  key=lambda r: -r[2])
+    return {"method": method, "rows": decoder.tables.num_rows if method == "ppd" else 1, "steps": steps,
+            "wall_us_per_step": 1e6 * wall / steps, "kernels_per_step": sum(r[1] for r in rows),
+            "device_us_per_step": sum(r[2] for r in rows),
+            "top": [{"kernel": n, "calls_per_step": c, "us_per_step": t} for n, c, t in rows[: args.top]]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    loaded = load_decoder_or_exit(args)
+    results = []
+    with torch.no_grad():
+        results.append({"tree": "baseline (1 row)", **profile_steps(loaded.decoder, "baseline", args)})
+        for name in args.trees or [None]:
+            decoder = loaded.decoder if name is None else loaded.decoder.with_trees(TreeSet.load(name))
+            results.append({"tree": name or loaded.tree, **profile_steps(decoder, "ppd", args)})
+    print("| tree | rows | wall us/step | kernels/step | device us/step |\n|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['tree']} | {r['rows']} | {r['wall_us_per_step']:.0f} | {r['kernels_per_step']:.0f} | "
+              f"{r['device_us_per_step']:.0f} |")
+    for r in results:
+        print(f"\n{r['tree']}: top kernels per step\n| kernel | calls | us |\n|---|---|---|")
+        for k in r["top"]:
+            print(f"| {k['kernel'][:90]} | {k['calls_per_step']:.1f} | {k['us_per_step']:.1f} |")
+    if args.output:
+        write_json(args.output, {"model": loaded.info.model_id, "context": args.context, "capture": args.capture,
+                                 "batch_size": args.batch_size, "attention": loaded.decoder.attention.value,
+                                 "dtype": str(loaded.decoder.dtype), **environment(loaded.decoder.device),
+                                 "command": " ".join(["python -m eval.step_profile", *(argv or sys.argv[1:])]),
+                                 "results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
