@@ -7,8 +7,9 @@ Usage:
 
 Each measurement decodes a prompt of ``--context`` tokens with the decoder's own loop (the step compiled
 and captured as ``--capture`` says, the one host read-back per step included) and takes the time per
-step from the time between the prefill's read-back and the end of the run, so the prefill drops out. Capturing (and compiling) happens
-in an untimed warm-up and its seconds are reported beside the step time. Writes JSON and a table.
+step from the time between the prefill's read-back and the end of the run, so the prefill drops out.
+Capturing (and compiling) happens in an untimed warm-up and its seconds are reported beside the step time.
+Writes JSON and a table.
 """
 
 from __future__ import annotations

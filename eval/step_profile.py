@@ -36,7 +36,8 @@ def make_parser() -> argparse.ArgumentParser:
     add_model_args(parser)
     add_adapter_args(parser)
     add_engine_args(parser)
-    parser.add_argument("--trees", nargs="*", default=[], help="tree-set JSON files to profile (default: the adapter's)")
+    parser.add_argument("--trees", nargs="*", default=[],
+                        help="tree-set JSON files to profile (default: the adapter's)")
     parser.add_argument("--context", type=int, default=300, help="prompt tokens before the profiled steps")
     parser.add_argument("--steps", type=int, default=64, help="new tokens decoded under the profiler")
     parser.add_argument("--batch_size", type=int, default=1)

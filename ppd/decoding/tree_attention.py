@@ -331,5 +331,5 @@ def active(model_config):
             c._attn_implementation_internal = name
 
 
-__all__ = ["BLOCK", "MIN_CHUNK", "NAME", "active", "kv_chunks", "reference_attention", "register", "tree_attention", "tree_block_mask",
-           "visible"]
+__all__ = ["BLOCK", "MIN_CHUNK", "NAME", "SPLIT_BELOW", "active", "kv_chunks", "reference_attention", "register",
+           "tree_attention", "tree_block_mask", "visible"]
