@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -42,12 +43,25 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def timing_prompt(decoder: Decoder, context: int) -> list[int]:
+    """The ``context`` token ids a timed or profiled step follows (any ids do: a step's cost depends on the
+    lengths, not on the text)."""
+    vocab = decoder.model.config.vocab_size
+    return [(31 * i + 7) % vocab for i in range(context)]
+
+
+def tree_decoders(loaded, names: list[str]) -> Iterator[tuple[str, Decoder]]:
+    """(name, decoder) for each tree-set file named, each a decoder of the loaded model over it; with none
+    named, the loaded decoder and the tree set it came with."""
+    for name in names or [None]:
+        yield (name or loaded.tree), (loaded.decoder if name is None else loaded.decoder.with_trees(TreeSet.load(name)))
+
+
 def step_time(decoder: Decoder, method: str, context: int, steps: int, capture: str = "auto",
               batch_size: int = 1) -> dict:
     """Seconds per step of ``method`` after ``context`` tokens for a batch of ``batch_size`` rows, and
     seconds spent capturing (untimed)."""
-    vocab = decoder.model.config.vocab_size
-    prompt = [(31 * i + 7) % vocab for i in range(context)]
+    prompt = timing_prompt(decoder, context)
 
     def run(n: int):
         config = DecodeConfig(method=method, max_new_tokens=n, stop_on_eos=False, capture=capture)
@@ -76,11 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.baseline:
             results.append({"tree": "baseline (1 row)", **step_time(decoder, "baseline", args.context, args.steps,
                                                                     args.capture, args.batch_size)})
-        for name in args.trees or [None]:
-            if name is not None:
-                decoder = loaded.decoder.with_trees(TreeSet.load(name))
-            results.append({"tree": name or loaded.tree, **step_time(decoder, "ppd", args.context, args.steps,
-                                                                     args.capture, args.batch_size)})
+        for name, decoder in tree_decoders(loaded, args.trees):
+            results.append({"tree": name, **step_time(decoder, "ppd", args.context, args.steps, args.capture,
+                                                      args.batch_size)})
     print("| tree | rows | step ms | capture s |\n|---|---|---|---|")
     for r in results:
         print(f"| {r['tree']} | {r['rows']} | {r['step_ms']:.2f} | {r['capture_s']:.1f} |")

@@ -9,8 +9,8 @@ For the baseline's one-row step and each tree set: an untimed warm-up (compilati
 ``--context`` tokens, the profiler started once the prefill is read back. Reports per step: the wall time,
 the number of kernels and their summed device time (the rest of the wall time is the device idle between
 kernels: launches, the host's read-back), and the kernels that take the most device time; on a CPU, the
-operators and their own CPU time instead. Writes JSON and a
-markdown table; compare a tree step's lines with the one-row step's to see what the tree adds.
+operators and their own CPU time instead. Writes JSON and a markdown table; compare a tree step's lines
+with the one-row step's to see what the tree adds.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_deco
 from ppd.config import DecodeConfig
 from ppd.decoder import Decoder
 from ppd.decoding.loop import decode
-from ppd.tree import TreeSet
 
 from .records import environment, write_json
+from .step_latency import timing_prompt, tree_decoders
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -48,9 +48,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 def profile_steps(decoder: Decoder, method: str, args: argparse.Namespace) -> dict:
     """Kernels per step of ``method`` (see the module docstring)."""
-    vocab = decoder.model.config.vocab_size
-    prompt = [(31 * i + 7) % vocab for i in range(args.context)]
-    batch = [prompt] * args.batch_size
+    batch = [timing_prompt(decoder, args.context)] * args.batch_size
 
     def config(n: int) -> DecodeConfig:
         return DecodeConfig(method=method, max_new_tokens=n, stop_on_eos=False, capture=args.capture)
@@ -91,9 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     with torch.no_grad():
         results.append({"tree": "baseline (1 row)", **profile_steps(loaded.decoder, "baseline", args)})
-        for name in args.trees or [None]:
-            decoder = loaded.decoder if name is None else loaded.decoder.with_trees(TreeSet.load(name))
-            results.append({"tree": name or loaded.tree, **profile_steps(decoder, "ppd", args)})
+        for name, decoder in tree_decoders(loaded, args.trees):
+            results.append({"tree": name, **profile_steps(decoder, "ppd", args)})
     print("| tree | rows | wall us/step | kernels/step | device us/step |\n|---|---|---|---|---|")
     for r in results:
         print(f"| {r['tree']} | {r['rows']} | {r['wall_us_per_step']:.0f} | {r['kernels_per_step']:.0f} | "

@@ -107,7 +107,7 @@ def tree_block_mask(tree_allowed: torch.Tensor, lengths: torch.Tensor, offsets: 
     blocks)."""
     batch, rows = lengths.shape[0], tree_allowed.shape[-1]
     device = lengths.device
-    if width % (chunks * BLOCK) and chunks > 1:
+    if chunks > 1 and width % (chunks * BLOCK):
         raise ValueError(f"a width of {width} slots does not split into {chunks} pieces of whole {BLOCK}-slot blocks")
     allowed = tree_allowed.expand(batch, rows, rows)
     offsets = offsets.expand(batch, rows)
