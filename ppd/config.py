@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 
 # EOS ids one decoding row checks its tokens against (a fixed width, so that the step compiles once).
 MAX_EOS_IDS = 8
-# Bumped when the on-disk adapter layout changes in a way older readers cannot follow.
-ADAPTER_FORMAT_VERSION = 1
+# Bumped when the on-disk adapter layout changes in a way older readers cannot follow: 2 added deep prompt
+# tokens' per-layer offsets (an adapter without them is still written as format 1).
+ADAPTER_FORMAT_VERSION = 2
 
 
 class AttentionType(str, enum.Enum):
@@ -96,7 +97,11 @@ class PromptTokenConfig:
     init_text: str = field(default="Next 2 word", metadata={"help": "Text whose embeddings initialised the tokens."})
     base_adapter: str = field(default="", metadata={
         "help": "PEFT LoRA adapter merged onto the base model before training (empty: none)."})
-    format_version: int = field(default=ADAPTER_FORMAT_VERSION, metadata={"help": "On-disk format version."})
+    deep: bool = field(default=False, metadata={
+        "help": "Deep prompt tokens: also an offset added to each prompt token's hidden state after every "
+                "decoder layer (ppd.deep_prompts)."})
+    num_layers: int = field(default=0, metadata={"help": "Decoder layers of the base model (deep prompt tokens)."})
+    format_version: int = field(default=1, metadata={"help": "On-disk format version."})
 
     def __post_init__(self) -> None:
         self.attention_type = AttentionType(self.attention_type)
@@ -104,8 +109,10 @@ class PromptTokenConfig:
             raise ValueError(f"num_prompt_tokens must be >= 1, got {self.num_prompt_tokens}")
         if self.num_ensemble < 1:
             raise ValueError(f"num_ensemble must be >= 1, got {self.num_ensemble}")
-        if self.hidden_size < 0 or self.vocab_size < 0:
-            raise ValueError("hidden_size and vocab_size must be non-negative")
+        if self.hidden_size < 0 or self.vocab_size < 0 or self.num_layers < 0:
+            raise ValueError("hidden_size, vocab_size and num_layers must be non-negative")
+        if self.deep:  # an older ppd cannot read the offsets: it must refuse the adapter, not drop them
+            self.format_version = max(self.format_version, ADAPTER_FORMAT_VERSION)
 
     @property
     def num_rows(self) -> int:
@@ -113,7 +120,9 @@ class PromptTokenConfig:
         return self.num_prompt_tokens * self.num_ensemble
 
     def to_dict(self) -> dict:
-        return {
+        """The adapter's ``ppd_config.json``. Plain prompt tokens are written as format 1 (without the deep
+        fields), so that an older ppd still reads them."""
+        data = {
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_ensemble": self.num_ensemble,
             "attention_type": self.attention_type.value,
@@ -125,6 +134,9 @@ class PromptTokenConfig:
             "base_adapter": self.base_adapter,
             "format_version": self.format_version,
         }
+        if self.deep:
+            data.update(deep=True, num_layers=self.num_layers)
+        return data
 
 
 @dataclass

@@ -139,6 +139,9 @@ class Decoder:
         self._tables_of: dict[int, TreeTables] = {}  # each tree set's tables, by the set's id
         if prompt_tokens is not None:
             prompt_tokens.check_compatible(model)
+            if prompt_tokens.config.deep:
+                raise NotImplementedError("deep prompt tokens (per-layer offsets) are measured by replay "
+                                          "(`python -m eval.replay`) but not decoded yet: use plain prompt tokens")
             prompt_tokens.to(self.device)
             n, v = prompt_tokens.num_prompt_tokens, prompt_tokens.num_ensemble
             if trees is None and policy is not None:

@@ -15,6 +15,7 @@ import torch
 
 from .attention import LayerAttention, packed_layout, to_additive, within_window
 from .config import AttentionType
+from .deep_prompts import prompt_row_index
 
 
 @dataclass
@@ -26,6 +27,8 @@ class PrefillInputs:
     keep: torch.Tensor  # long [S], the slots whose logits the model computes (``logits_to_keep``)
     where: torch.Tensor  # long [C, 1 + N*V], per cut: index into ``keep`` of its last input token, then its prompt rows
     cut_rows: torch.Tensor  # long [C], the batch row of each cut (one cut per row, ``arange(B)``, unless packed)
+    # long [B, Q]: prompt-table row + 1 at each prompt row, 0 elsewhere (``ppd.deep_prompts``); None without them
+    prompt_rows: torch.Tensor | None = None
 
     @property
     def width(self) -> int:
@@ -62,11 +65,14 @@ def build_prefill(model, batch: list[list[int]], prompt_table: torch.Tensor | No
         for j, c in enumerate(row):
             wanted.append((b, [c - 1] + [n + j * n_rows + i for i in range(n_rows)]))
             cut_rows.append(b)
+    prompt_rows = None
     if n_rows:
         rel = torch.arange(width)[None, :] - torch.tensor(lengths)[:, None]  # [B, Q]
         is_prompt = (rel >= 0) & (rel < torch.tensor([len(row) * n_rows for row in cuts])[:, None])
         table = prompt_table.to(device=device, dtype=embeds.dtype)
-        embeds = torch.where(is_prompt.to(device)[..., None], table[(rel.clamp(min=0) % n_rows).to(device)], embeds)
+        table_row = rel.clamp(min=0) % n_rows
+        embeds = torch.where(is_prompt.to(device)[..., None], table[table_row.to(device)], embeds)
+        prompt_rows = prompt_row_index(is_prompt, table_row).to(device)
     keep = sorted({slot for _, row in wanted for slot in row})
     index = {slot: i for i, slot in enumerate(keep)}
     where = torch.tensor([[index[slot] for slot in row] for _, row in wanted], device=device)
@@ -74,7 +80,7 @@ def build_prefill(model, batch: list[list[int]], prompt_table: torch.Tensor | No
     masks = {kind: to_additive((allowed if window is None else allowed & within_window(positions, positions, window)
                                 )[:, None], embeds.dtype) for kind, window in layers.kinds.items()}
     return PrefillInputs(embeds, layers.pack(masks), positions, torch.tensor(lengths, device=device),
-                         torch.tensor(keep, device=device), where, torch.tensor(cut_rows, device=device))
+                         torch.tensor(keep, device=device), where, torch.tensor(cut_rows, device=device), prompt_rows)
 
 
 def average_copies(prompt_logits: torch.Tensor, num_prompt_tokens: int, num_ensemble: int) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 An adapter directory holds ``ppd_config.json`` (sorted keys: N, V, attention type, base model id and
 revision, hidden and vocabulary sizes, format version) and ``prompt_tokens.safetensors`` with one tensor,
-``embeddings`` of shape ``[N * V, hidden]`` (row ``k * V + j`` is copy j of prompt token k). No pickles.
+``embeddings`` of shape ``[N * V, hidden]`` (row ``k * V + j`` is copy j of prompt token k); deep prompt tokens
+(``ppd.deep_prompts``) add ``offsets`` of shape ``[layers, N * V, hidden]``. No pickles.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ logger = logging.getLogger(__name__)
 CONFIG_NAME = "ppd_config.json"
 WEIGHTS_NAME = "prompt_tokens.safetensors"
 TENSOR_NAME = "embeddings"
+OFFSETS_NAME = "offsets"
 
 
 class AdapterMismatchError(ValueError):
@@ -31,9 +33,11 @@ class AdapterMismatchError(ValueError):
 
 
 class PromptTokens(nn.Module):
-    """``embeddings``: float32 parameter [N * V, hidden]. The only trained weights of PPD."""
+    """``embeddings``: float32 parameter [N * V, hidden]; with ``config.deep`` also ``offsets``, float32
+    [layers, N * V, hidden] (zeros when not given). The only trained weights of PPD."""
 
-    def __init__(self, config: PromptTokenConfig, embeddings: torch.Tensor | None = None):
+    def __init__(self, config: PromptTokenConfig, embeddings: torch.Tensor | None = None,
+                 offsets: torch.Tensor | None = None):
         super().__init__()
         self.config = config
         if embeddings is None:
@@ -44,6 +48,23 @@ class PromptTokens(nn.Module):
                 f"[{config.num_rows}, {config.hidden_size}] (N={config.num_prompt_tokens}, V={config.num_ensemble})"
             )
         self.embeddings = nn.Parameter(embeddings.detach().to(torch.float32).clone())
+        self.offsets: nn.Parameter | None = None
+        if config.deep:
+            shape = (config.num_layers, config.num_rows, config.hidden_size)
+            if offsets is None:
+                offsets = torch.zeros(shape)
+            if tuple(offsets.shape) != shape:
+                raise ValueError(f"offsets have shape {tuple(offsets.shape)}, config expects {list(shape)}")
+            self.offsets = nn.Parameter(offsets.detach().to(torch.float32).clone())
+        elif offsets is not None:
+            raise ValueError("offsets were given for prompt tokens that are not deep (config.deep is False)")
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The trained tensors by their on-disk names."""
+        found = {TENSOR_NAME: self.embeddings}
+        if self.offsets is not None:
+            found[OFFSETS_NAME] = self.offsets
+        return found
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -80,6 +101,8 @@ class PromptTokens(nn.Module):
             problems.append(f"hidden size {self.config.hidden_size} != model's {hidden}")
         if self.config.vocab_size and self.config.vocab_size != vocab:
             problems.append(f"vocabulary size {self.config.vocab_size} != model's {vocab}")
+        if self.config.deep and self.config.num_layers != _num_layers(model):
+            problems.append(f"{self.config.num_layers} layers of offsets != model's {_num_layers(model)} layers")
         if problems:
             raise AdapterMismatchError(
                 f"prompt tokens trained for {self.config.base_model or 'another model'} do not fit this model: "
@@ -88,13 +111,14 @@ class PromptTokens(nn.Module):
 
     def save_pretrained(self, directory: str | Path) -> None:
         """Write the adapter directory atomically (a reader never sees half an adapter)."""
-        _check_finite(self.embeddings.detach(), "refusing to save prompt tokens with")
+        tensors = {name: t.detach().float().cpu().contiguous() for name, t in self.tensors().items()}
+        for name, tensor in tensors.items():
+            _check_finite(tensor, "refusing to save prompt tokens with")
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         config = json.dumps(self.config.to_dict(), indent=2, sort_keys=True) + "\n"
         atomic_write(directory / CONFIG_NAME, lambda p: Path(p).write_text(config))
-        tensor = {TENSOR_NAME: self.embeddings.detach().float().cpu().contiguous()}
-        atomic_write(directory / WEIGHTS_NAME, lambda p: save_file(tensor, p, metadata={"format": "pt"}))
+        atomic_write(directory / WEIGHTS_NAME, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, model=None) -> "PromptTokens":
@@ -121,20 +145,23 @@ class PromptTokens(nn.Module):
         except Exception as err:  # safetensors raises its own error type, naming no file
             raise ValueError(f"{weights_path} cannot be read as a safetensors file (truncated or damaged?): "
                              f"{err}") from err
-        if TENSOR_NAME not in tensors:
-            raise ValueError(f"{weights_path} holds no {TENSOR_NAME!r} tensor (found {sorted(tensors)})")
-        _check_finite(tensors[TENSOR_NAME], f"{weights_path} holds")
-        tokens = cls(config, tensors[TENSOR_NAME])
+        wanted = [TENSOR_NAME] + ([OFFSETS_NAME] if config.deep else [])
+        for name in wanted:
+            if name not in tensors:
+                raise ValueError(f"{weights_path} holds no {name!r} tensor (found {sorted(tensors)})")
+            _check_finite(tensors[name], f"{weights_path} holds")
+        tokens = cls(config, tensors[TENSOR_NAME], tensors.get(OFFSETS_NAME) if config.deep else None)
         if model is not None:
             tokens.check_compatible(model)
         return tokens
 
 
-def count_non_finite(embeddings: torch.Tensor) -> int:
-    """How many prompt-token values are NaN or inf. A single one reaches the real rows of the same forward
-    and turns lossless decoding into garbage, so such prompt tokens are refused where they are read,
-    written or trained."""
-    return int((~torch.isfinite(embeddings.detach())).sum())
+def count_non_finite(tokens: "PromptTokens | torch.Tensor") -> int:
+    """How many prompt-token values (of a tensor, or of all of a :class:`PromptTokens`' tensors) are NaN or
+    inf. A single one reaches the real rows of the same forward and turns lossless decoding into garbage, so
+    such prompt tokens are refused where they are read, written or trained."""
+    tensors = tokens.tensors().values() if isinstance(tokens, PromptTokens) else [tokens]
+    return sum(int((~torch.isfinite(t.detach())).sum()) for t in tensors)
 
 
 def _check_finite(embeddings: torch.Tensor, where: str) -> None:
@@ -165,8 +192,13 @@ def _model_sizes(model) -> tuple[int, int]:
     return hidden, vocab
 
 
+def _num_layers(model) -> int:
+    return model.config.get_text_config().num_hidden_layers
+
+
 def _fill_from_model(config: PromptTokenConfig, model) -> PromptTokenConfig:
     """Copy the model's sizes (and identity, where the caller left it empty) into the config."""
     hidden, vocab = _model_sizes(model)
     base = config.base_model or getattr(model.config, "_name_or_path", "")
-    return dataclasses.replace(config, hidden_size=hidden, vocab_size=vocab, base_model=base)
+    layers = _num_layers(model) if config.deep else 0
+    return dataclasses.replace(config, hidden_size=hidden, vocab_size=vocab, base_model=base, num_layers=layers)

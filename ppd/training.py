@@ -19,6 +19,7 @@ from enum import Enum
 import torch
 from torch import nn
 
+from .deep_prompts import attach_offsets
 from .losses import cross_entropy_loss, distillation_loss
 from .prefill import average_copies, build_prefill
 from .prompt_tokens import PromptTokens
@@ -49,6 +50,8 @@ class PromptTokenModel(nn.Module):
         object.__setattr__(self, "base_model", base_model.requires_grad_(False).eval())  # not a submodule
         self.objective = Objective(objective)
         self.decay = decay
+        # Deep prompt tokens: hooks on the base model's layers add the offsets at the prompt rows of each forward.
+        self.layer_offsets = attach_offsets(base_model, prompt_tokens)
 
     def gradient_checkpointing_enable(self, **kwargs) -> None:
         """Called by ``Trainer`` for ``--gradient_checkpointing``: recompute the base model's activations
@@ -79,6 +82,8 @@ class PromptTokenModel(nn.Module):
                 cuts[row].append(cut)
         inputs = build_prefill(self.base_model, batch, self.prompt_tokens(), config.num_prompt_tokens,
                                config.num_ensemble, config.attention_type, cuts)
+        if self.layer_offsets is not None:  # kept after the forward: a checkpointed backward recomputes it
+            self.layer_offsets.rows = inputs.prompt_rows
         out = self.base_model(inputs_embeds=inputs.embeds, attention_mask=inputs.mask, position_ids=inputs.positions,
                               use_cache=False, logits_to_keep=inputs.keep)
         return average_copies(inputs.rows(out.logits)[:, 1:], config.num_prompt_tokens, config.num_ensemble)

@@ -64,13 +64,18 @@ def tiny_model(arch: str = "llama", vocab: int = TINY_VOCAB, seed: int = 0, max_
     return model.eval().requires_grad_(False)
 
 
-def random_prompt_tokens(model, n: int = 3, v: int = 1, attention: str = "ensemble", seed: int = 0) -> PromptTokens:
+def random_prompt_tokens(model, n: int = 3, v: int = 1, attention: str = "ensemble", seed: int = 0,
+                         deep: bool = False) -> PromptTokens:
+    """Random prompt tokens for ``model``; ``deep``: with random per-layer offsets too."""
     hidden = model.get_input_embeddings().weight.shape[1]
     vocab = model.get_output_embeddings().weight.shape[0]
+    layers = model.config.num_hidden_layers if deep else 0
     generator = torch.Generator().manual_seed(seed)
-    config = PromptTokenConfig(num_prompt_tokens=n, num_ensemble=v, attention_type=attention,
-                               hidden_size=hidden, vocab_size=vocab, base_model="tiny")
-    return PromptTokens(config, torch.randn(n * v, hidden, generator=generator))
+    config = PromptTokenConfig(num_prompt_tokens=n, num_ensemble=v, attention_type=attention, hidden_size=hidden,
+                               vocab_size=vocab, base_model="tiny", deep=deep, num_layers=layers)
+    embeddings = torch.randn(n * v, hidden, generator=generator)
+    offsets = torch.randn(layers, n * v, hidden, generator=generator) if deep else None
+    return PromptTokens(config, embeddings, offsets)
 
 
 def random_tree(rng: random.Random, key: int, n_prompt: int, top_k: int, size: int) -> Tree:

@@ -24,23 +24,29 @@ def _targets(generator, cuts: int, n: int) -> dict:
 
 
 def _loss_and_grad(model: PromptTokenModel, batch: dict, per_example: bool = False):
-    model.prompt_tokens.embeddings.grad = None
+    """The per-cut losses and the gradient of their mean over every trained tensor (flattened, joined)."""
+    weights = list(model.prompt_tokens.tensors().values())
+    for weight in weights:
+        weight.grad = None
     logits = model.batch_logits(batch)
     losses = model.loss(logits, batch["labels"], batch["teacher_topk_ids"], batch["teacher_topk_logprobs"],
                         per_example=True)
     losses.mean().backward()
-    return losses.detach(), model.prompt_tokens.embeddings.grad.clone()
+    return losses.detach(), torch.cat([w.grad.flatten() for w in weights])
 
 
-@pytest.mark.parametrize("arch,window,v,attention,objective", [
-    ("llama", None, 1, "ensemble", Objective.DISTILLATION),
-    ("qwen2", None, 2, "ensemble", Objective.DISTILLATION),
-    ("mistral", 9, 2, "decoder", Objective.CROSS_ENTROPY),
+@pytest.mark.parametrize("arch,window,v,attention,objective,deep", [
+    ("llama", None, 1, "ensemble", Objective.DISTILLATION, False),
+    ("qwen2", None, 2, "ensemble", Objective.DISTILLATION, False),
+    ("mistral", 9, 2, "decoder", Objective.CROSS_ENTROPY, False),
+    ("llama", None, 2, "ensemble", Objective.DISTILLATION, True),
+    ("qwen2", 9, 1, "ensemble", Objective.CROSS_ENTROPY, True),
 ])
-def test_packed_cuts_give_the_losses_and_gradients_of_single_cuts(arch, window, v, attention, objective):
+def test_packed_cuts_give_the_losses_and_gradients_of_single_cuts(arch, window, v, attention, objective, deep):
     model = tiny_model(arch, vocab=VOCAB, window=window)
     n = 3
-    trainer = PromptTokenModel(model, random_prompt_tokens(model, n=n, v=v, attention=attention, seed=1), objective)
+    tokens = random_prompt_tokens(model, n=n, v=v, attention=attention, seed=1, deep=deep)
+    trainer = PromptTokenModel(model, tokens, objective)
     generator = torch.Generator().manual_seed(0)
     sequences = [torch.randint(VOCAB, (37,), generator=generator).tolist(),
                  torch.randint(VOCAB, (21,), generator=generator).tolist()]

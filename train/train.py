@@ -113,6 +113,8 @@ class PromptTokenArguments:
                 "distillation_trainer is accepted"})
     loss_decay: float = field(default=0.8, metadata={"help": "weight of prompt token i is decay**i"})
     init_text: str = field(default="Next 2 word", metadata={"help": "text whose embeddings initialise the tokens"})
+    deep: bool = field(default=False, metadata={
+        "help": "deep prompt tokens: also learn an offset to each prompt token's hidden state after every layer"})
     init_adapter: str | None = field(default=None, metadata={"help": "start from this adapter instead"})
 
     def __post_init__(self):
@@ -274,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         config = PromptTokenConfig(
             num_prompt_tokens=pt_args.num_prompt_tokens, num_ensemble=pt_args.num_ensemble,
             attention_type=pt_args.vt_attention_type, base_model=model_info.model_id,
-            base_model_revision=model_info.revision, init_text=pt_args.init_text,
+            base_model_revision=model_info.revision, init_text=pt_args.init_text, deep=pt_args.deep,
             base_adapter=str(model_args.base_adapter or ""),
         )
         prompt_tokens = PromptTokens.from_text(base, tokenizer, config)

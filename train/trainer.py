@@ -38,9 +38,10 @@ class NonFiniteError(RuntimeError):
 
 def check_finite(prompt_tokens: PromptTokens, when: str) -> None:
     """Raise ``NonFiniteError`` if any prompt-token value is NaN or inf; ``when`` opens the message."""
-    bad = count_non_finite(prompt_tokens.embeddings)
+    bad = count_non_finite(prompt_tokens)
     if bad:
-        raise NonFiniteError(f"{when}: {bad} of {prompt_tokens.embeddings.numel()} prompt-token values are not finite (NaN or inf); "
+        total = sum(t.numel() for t in prompt_tokens.tensors().values())
+        raise NonFiniteError(f"{when}: {bad} of {total} prompt-token values are not finite (NaN or inf); "
                              "nothing non-finite was saved (lower --learning_rate; earlier checkpoints are intact)")
 
 

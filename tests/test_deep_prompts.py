@@ -1,0 +1,111 @@
+"""Deep prompt tokens: per-layer offsets at the prompt rows only, trained, saved and loaded."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from ppd.deep_prompts import decoder_layers
+from ppd.prefill import build_prefill
+from ppd.prompt_tokens import AdapterMismatchError, PromptTokens
+from ppd.training import PromptTokenModel
+
+from .conftest import random_prompt_tokens, tiny_model
+
+BATCH = [[5, 9, 2, 7, 7, 1], [3, 8]]
+
+
+def _all_logits(trainer: PromptTokenModel, batch=BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of every slot of the prefill forward, and which slots are real tokens."""
+    config = trainer.prompt_tokens.config
+    inputs = build_prefill(trainer.base_model, batch, trainer.prompt_tokens(), config.num_prompt_tokens,
+                           config.num_ensemble, config.attention_type)
+    if trainer.layer_offsets is not None:
+        trainer.layer_offsets.rows = inputs.prompt_rows
+    logits = trainer.base_model(inputs_embeds=inputs.embeds, attention_mask=inputs.mask,
+                                position_ids=inputs.positions, use_cache=False).logits
+    real = torch.arange(inputs.width)[None, :] < inputs.lengths[:, None]
+    return logits, real
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_zero_offsets_are_the_plain_prompt_tokens_and_real_rows_never_change(arch):
+    model = tiny_model(arch)
+    deep = random_prompt_tokens(model, n=3, v=2, seed=3, deep=True)
+    plain_config = dataclasses.replace(deep.config, deep=False, num_layers=0)
+    plain = PromptTokens(plain_config, deep.embeddings)
+    plain_logits, real = _all_logits(PromptTokenModel(model, plain))
+    deep_logits, _ = _all_logits(PromptTokenModel(model, deep))
+    # real tokens: the base model's own logits, whatever the offsets; prompt rows: moved by them
+    torch.testing.assert_close(deep_logits[real], plain_logits[real], rtol=0, atol=0)
+    prompt = ~real & (torch.arange(real.shape[1])[None, :] < torch.tensor([6 + 6, 2 + 6])[:, None])
+    assert (deep_logits[prompt] - plain_logits[prompt]).abs().amax() > 1e-3
+    with torch.no_grad():
+        deep.offsets.zero_()
+    torch.testing.assert_close(_all_logits(PromptTokenModel(model, deep))[0], plain_logits, rtol=0, atol=0)
+
+
+def test_a_model_keeps_the_hooks_of_its_last_prompt_tokens_only():
+    model = tiny_model("llama")
+    plain = random_prompt_tokens(model, seed=2)
+    expected = PromptTokenModel(model, plain).prompt_logits(torch.tensor([BATCH[0]]), torch.tensor([6]))
+    PromptTokenModel(model, random_prompt_tokens(model, seed=2, deep=True)).prompt_logits(
+        torch.tensor([BATCH[0]]), torch.tensor([6]))
+    again = PromptTokenModel(model, plain).prompt_logits(torch.tensor([BATCH[0]]), torch.tensor([6]))
+    torch.testing.assert_close(again, expected, rtol=0, atol=0)
+    assert all(not layer._forward_hooks for layer in decoder_layers(model))
+
+
+def test_offsets_train_and_round_trip(tmp_path):
+    model = tiny_model("llama")
+    tokens = random_prompt_tokens(model, n=2, v=1, seed=4, deep=True)
+    trainer = PromptTokenModel(model, tokens)
+    logits = trainer.prompt_logits(torch.tensor([BATCH[0]]), torch.tensor([6]))
+    logits.logsumexp(-1).sum().backward()
+    assert tokens.offsets.grad is not None and tokens.offsets.grad.abs().sum() > 0
+    # every layer's offset moves the prompt rows (the last layer's too: it feeds the final norm)
+    assert (tokens.offsets.grad.abs().sum((1, 2)) > 0).all()
+
+    tokens.save_pretrained(tmp_path / "deep")
+    loaded = PromptTokens.from_pretrained(tmp_path / "deep", model)
+    assert loaded.config == tokens.config and loaded.config.deep and loaded.config.num_layers == 2
+    assert torch.equal(loaded.offsets, tokens.offsets.detach()) and torch.equal(loaded.embeddings,
+                                                                                 tokens.embeddings.detach())
+    torch.testing.assert_close(PromptTokenModel(model, loaded).prompt_logits(torch.tensor([BATCH[0]]),
+                                                                             torch.tensor([6])), logits.detach())
+
+
+def test_deep_adapters_refuse_a_model_of_another_depth_and_files_without_offsets(tmp_path):
+    model = tiny_model("llama")
+    tokens = random_prompt_tokens(model, deep=True)
+    tokens.save_pretrained(tmp_path / "deep")
+    deeper = tiny_model("llama")
+    deeper.config.num_hidden_layers = 3
+    with pytest.raises(AdapterMismatchError, match="2 layers of offsets != model's 3 layers"):
+        PromptTokens.from_pretrained(tmp_path / "deep", deeper)
+    from safetensors.torch import save_file
+    save_file({"embeddings": tokens.embeddings.detach()}, str(tmp_path / "deep" / "prompt_tokens.safetensors"))
+    with pytest.raises(ValueError, match="holds no 'offsets' tensor"):
+        PromptTokens.from_pretrained(tmp_path / "deep")
+    with pytest.raises(ValueError, match="offsets have shape"):
+        PromptTokens(tokens.config, tokens.embeddings, torch.zeros(1, 3, 32))
+
+
+def test_plain_adapters_are_still_written_as_format_1(tmp_path):
+    import json
+    model = tiny_model("llama")
+    random_prompt_tokens(model).save_pretrained(tmp_path / "plain")
+    random_prompt_tokens(model, deep=True).save_pretrained(tmp_path / "deep")
+    plain = json.loads((tmp_path / "plain" / "ppd_config.json").read_text())
+    deep = json.loads((tmp_path / "deep" / "ppd_config.json").read_text())
+    assert plain["format_version"] == 1 and "deep" not in plain
+    assert deep["format_version"] == 2 and deep["deep"] is True and deep["num_layers"] == 2
+
+
+def test_the_decoder_refuses_deep_prompt_tokens_instead_of_dropping_their_offsets():
+    from ppd.decoder import Decoder
+    model = tiny_model("llama")
+    with pytest.raises(NotImplementedError, match="deep prompt tokens"):
+        Decoder(model, random_prompt_tokens(model, deep=True))
