@@ -52,6 +52,14 @@ def test_a_few_steps_lower_the_held_out_loss(datasets_dir, tmp_path):
     assert log["dataset"]["eval_examples"] == 24 and log["prompt_tokens"]["base_model"].startswith("HuggingFaceTB")
 
 
+def test_deep_prompt_tokens_train_from_the_command_line(datasets_dir, tmp_path):
+    log = run_train(datasets_dir, tmp_path / "deep", "--max_steps", "8", "--deep")
+    assert log["final_eval"]["eval_loss"] < log["initial_eval"]["initial_loss"] - 0.3
+    tokens = PromptTokens.from_pretrained(tmp_path / "deep")
+    assert tokens.config.deep and tokens.config.num_layers == 30 and log["prompt_tokens"]["deep"]
+    assert (tokens.offsets.abs().sum((1, 2)) > 0).all()  # every layer's offset was trained
+
+
 def test_only_prompt_tokens_get_gradients(real_model):
     model, tokenizer, info = real_model
     from ppd import PromptTokenConfig
