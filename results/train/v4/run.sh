@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 SAMPLES=${SAMPLES:-3000}; N=5; CUTS=32
 BUDGETS="8 16 32 64 128 256 512"
 TRAIN="--trainer_type distillation --lr_scheduler_type cosine --per_device_train_batch_size 8 --logging_steps 50
-  --save_steps 500 --eval_size 0.03 --per_device_eval_batch_size 16 --dataloader_num_workers 2 --num_prompt_tokens 3"
+  --save_steps 200 --eval_size 0.03 --per_device_eval_batch_size 16 --dataloader_num_workers 2 --num_prompt_tokens 3"
 timed() {  # NAME command...: run, append "NAME seconds" to the timing file
   local name=$1; shift
   local start=$SECONDS
