@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 SAMPLES=${SAMPLES:-3000}; N=5; CUTS=32
 BUDGETS="8 16 32 64 128 256 512"
 TRAIN="--trainer_type distillation --lr_scheduler_type cosine --per_device_train_batch_size 8 --logging_steps 50
-  --save_steps 200 --eval_size 0.03 --per_device_eval_batch_size 16 --dataloader_num_workers 2 --num_prompt_tokens 3"
+  --save_steps 100 --eval_size 0.03 --per_device_eval_batch_size 16 --dataloader_num_workers 2 --num_prompt_tokens 3"
 timed() {  # NAME command...: run, append "NAME seconds" to the timing file
   local name=$1; shift
   local start=$SECONDS
@@ -53,11 +53,10 @@ data)  # v3's data: the model answers ShareGPT prompts greedily (2 turns), 32 cu
 train)  # the same two epochs, plain and deep, sharing the GPU
   train_run plain-e2 --num_train_epochs 2 --learning_rate 1e-2 &
   train_run deep-e2 --num_train_epochs 2 --learning_rate 1e-2 --deep &
-  train_run deep-e2-lr3e-3 --num_train_epochs 2 --learning_rate 3e-3 --deep &
   wait ;;
 replay)
-  for r in plain-e2 deep-e2 deep-e2-lr3e-3; do heldout $r & done; wait
-  for r in plain-e2 deep-e2 deep-e2-lr3e-3; do mt_bench $r & done; wait ;;
+  for r in plain-e2 deep-e2; do heldout $r & done; wait
+  for r in plain-e2 deep-e2; do mt_bench $r & done; wait ;;
 esac
 for f in "$W"/runs/*/heldout.json "$W"/runs/*/mt_bench.json; do
   [ -f "$f" ] && python3 -c "
