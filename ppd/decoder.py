@@ -26,6 +26,7 @@ from .decoding.step import LanguageModel, StepKind
 from .decoding.support import UnsupportedModelError, checked_tree_attention
 from .decoding.tree_attention import BLOCK, MIN_CHUNK
 from .decoding.tables import TreeTables
+from .deep_prompts import attach_offsets
 from .policy import BatchPolicy
 from .prompt_tokens import PromptTokens
 from .tree import TreeSet
@@ -139,10 +140,8 @@ class Decoder:
         self._tables_of: dict[int, TreeTables] = {}  # each tree set's tables, by the set's id
         if prompt_tokens is not None:
             prompt_tokens.check_compatible(model)
-            if prompt_tokens.config.deep:
-                raise NotImplementedError("deep prompt tokens (per-layer offsets) are measured by replay "
-                                          "(`python -m eval.replay`) but not decoded yet: use plain prompt tokens")
             prompt_tokens.to(self.device)
+            self.lm.offsets = attach_offsets(model, prompt_tokens)
             n, v = prompt_tokens.num_prompt_tokens, prompt_tokens.num_ensemble
             if trees is None and policy is not None:
                 trees = policy.for_batch(1)

@@ -8,8 +8,9 @@ rows, and therefore lossless decoding, are unchanged.
 
 The offsets enter through forward hooks on the model's decoder layers (no copy of the model's code). A hook
 reads which rows of the current forward are prompt rows from a :class:`LayerOffsets` object's ``rows``
-([B, Q] long: prompt-table row + 1, 0 for a real token), set before the forward and kept until its backward
-is done, so gradient checkpointing recomputes the same forward.
+([B, Q] long: prompt-table row + 1, 0 for a real token), set before the forward and cleared after it (training
+with gradient checkpointing keeps it until the backward has recomputed the forward). A decoding step sets it
+inside the compiled or captured step, so the offsets are part of the graph.
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ class LayerOffsets:
             if self.rows is None:
                 return output
             hidden = output[0] if isinstance(output, tuple) else output
+            if self.rows.shape != hidden.shape[:2]:
+                raise RuntimeError(f"deep prompt tokens were told about prompt rows of a [{', '.join(map(str, self.rows.shape))}] "
+                                   f"forward during a [{', '.join(map(str, hidden.shape[:2]))}] one: set "
+                                   "LayerOffsets.rows before each forward (None where it has no prompt rows)")
             table = self.tokens.offsets[index].to(hidden.dtype)
             table = torch.cat([table.new_zeros(1, table.shape[1]), table])  # row 0: a real token, no offset
             hidden = hidden + table[self.rows]
@@ -65,6 +70,8 @@ def attach_offsets(model, tokens) -> LayerOffsets | None:
     of prompt tokens attached earlier: a model serves one set of prompt tokens at a time, and stale hooks would
     add their offsets to forwards that are not theirs."""
     earlier = getattr(model, "_ppd_layer_offsets", None)
+    if earlier is not None and earlier.tokens is tokens and earlier.handles:
+        return earlier  # the same prompt tokens (a decoder and a replay of its adapter): one set of hooks
     if earlier is not None:
         earlier.remove()
     hooks = LayerOffsets(model, tokens) if tokens.config.deep else None

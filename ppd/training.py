@@ -52,11 +52,13 @@ class PromptTokenModel(nn.Module):
         self.decay = decay
         # Deep prompt tokens: hooks on the base model's layers add the offsets at the prompt rows of each forward.
         self.layer_offsets = attach_offsets(base_model, prompt_tokens)
+        self.checkpointing = False
 
     def gradient_checkpointing_enable(self, **kwargs) -> None:
         """Called by ``Trainer`` for ``--gradient_checkpointing``: recompute the base model's activations
         (``kwargs`` pass through: their names differ between transformers versions)."""
         self.base_model.gradient_checkpointing_enable(**kwargs)
+        self.checkpointing = True
         # transformers recomputes activations only in training mode: switch to it with dropout switched off,
         # so the frozen base still computes exactly what it computes at inference.
         self.base_model.train()
@@ -82,10 +84,12 @@ class PromptTokenModel(nn.Module):
                 cuts[row].append(cut)
         inputs = build_prefill(self.base_model, batch, self.prompt_tokens(), config.num_prompt_tokens,
                                config.num_ensemble, config.attention_type, cuts)
-        if self.layer_offsets is not None:  # kept after the forward: a checkpointed backward recomputes it
+        if self.layer_offsets is not None:
             self.layer_offsets.rows = inputs.prompt_rows
         out = self.base_model(inputs_embeds=inputs.embeds, attention_mask=inputs.mask, position_ids=inputs.positions,
                               use_cache=False, logits_to_keep=inputs.keep)
+        if self.layer_offsets is not None and not self.checkpointing:  # a checkpointed backward recomputes it
+            self.layer_offsets.rows = None
         return average_copies(inputs.rows(out.logits)[:, 1:], config.num_prompt_tokens, config.num_ensemble)
 
     def batch_logits(self, batch: dict) -> torch.Tensor:

@@ -74,7 +74,7 @@ def random_prompt_tokens(model, n: int = 3, v: int = 1, attention: str = "ensemb
     config = PromptTokenConfig(num_prompt_tokens=n, num_ensemble=v, attention_type=attention, hidden_size=hidden,
                                vocab_size=vocab, base_model="tiny", deep=deep, num_layers=layers)
     embeddings = torch.randn(n * v, hidden, generator=generator)
-    offsets = torch.randn(layers, n * v, hidden, generator=generator) if deep else None
+    offsets = 0.5 * torch.randn(layers, n * v, hidden, generator=generator) if deep else None
     return PromptTokens(config, embeddings, offsets)
 
 

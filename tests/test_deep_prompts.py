@@ -104,8 +104,18 @@ def test_plain_adapters_are_still_written_as_format_1(tmp_path):
     assert deep["format_version"] == 2 and deep["deep"] is True and deep["num_layers"] == 2
 
 
-def test_the_decoder_refuses_deep_prompt_tokens_instead_of_dropping_their_offsets():
+@pytest.mark.parametrize("capture", ["eager", "compile"])
+def test_deep_prompt_tokens_decode_losslessly_and_every_step_mode_agrees(capture):
     from ppd.decoder import Decoder
     model = tiny_model("llama")
-    with pytest.raises(NotImplementedError, match="deep prompt tokens"):
-        Decoder(model, random_prompt_tokens(model, deep=True))
+    tokens = random_prompt_tokens(model, n=3, v=1, seed=1, deep=True)
+    decoder = Decoder(model, tokens)
+    prompts = [[5, 9, 2, 7, 7, 1, 4, 4], [3, 8, 1], [11]]
+    eager = decoder.generate(prompts, max_new_tokens=40, capture="eager")
+    ppd = decoder.generate(prompts, max_new_tokens=40, capture=capture)
+    baseline = decoder.generate(prompts, method="baseline", max_new_tokens=40, capture=capture)
+    assert [o.token_ids for o in ppd] == [o.token_ids for o in baseline]
+    assert [o.steps for o in ppd] == [o.steps for o in eager]  # the offsets act in every step mode alike
+    assert sum(o.new_tokens - 1 - o.steps for o in ppd) > 0
+    # the one-row step after a deep step: no prompt rows, no offsets (the hooks were told so)
+    assert decoder.lm.offsets.rows is None

@@ -184,9 +184,14 @@ def prefill(decoder: "Decoder", batch: list[list[int]], state: DecodeState, use_
     inputs = build_prefill(decoder.model, batch, table, n_prompt, V, attention)
     width = inputs.width
     slots = torch.arange(width, device=state.device)[None].expand(n, -1)
+    hooks = decoder.lm.offsets
+    if hooks is not None:
+        hooks.rows = inputs.prompt_rows
     out = decoder.model(inputs_embeds=inputs.embeds, attention_mask=inputs.mask, position_ids=inputs.positions,
                         past_key_values=state.kv.view(slots, width, rows=n), use_cache=True,
                         logits_to_keep=inputs.keep)
+    if hooks is not None:
+        hooks.rows = None
     rows = inputs.rows(out.logits)  # [n, 1 + N*V, vocab]
     state.lengths[:n] = inputs.lengths
     first = state.rows(0, n)

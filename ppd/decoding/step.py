@@ -24,6 +24,7 @@ from torch import nn
 from ..acceptance import accept_candidates, longest_accepted_path, sample_tokens, walk_tree
 from ..attention import LayerAttention, step_mask
 from ..config import DecodeConfig
+from ..deep_prompts import LayerOffsets
 from ..prefill import average_copies
 from .state import EOS, REPORT_HEAD, RUNNING, DecodeState
 from .support import LogitTransform, UnsupportedModelError, checked_transform, refuse_by_design
@@ -49,6 +50,8 @@ class LanguageModel:
     # Attention runs FlexAttention over a block mask made from the lengths (``ppd.decoding.tree_attention``)
     # instead of the model's own attention over a dense float mask.
     flex: bool = False
+    # Deep prompt tokens' hooks (``ppd.deep_prompts``): told each step which rows are prompt rows.
+    offsets: LayerOffsets | None = None
     query_group: int = 1  # query heads per key head (FlexAttention's block masks lay their rows out by it)
     key_heads: int = 1  # key heads of an attention layer (a split FlexAttention step makes heads of its pieces)
 
@@ -158,6 +161,7 @@ class Candidates:
     embeds: torch.Tensor  # [B, T, hidden]: node embeddings, then the prompt-token rows
     offsets: torch.Tensor  # long [B, T]: position of each row minus the root's
     allowed: torch.Tensor  # bool [B, T, T] (or [T, T]): which rows see which
+    prompt_rows: torch.Tensor | None = None  # long [B, T]: prompt-table row + 1 of each row, 0 for a node
 
 
 def generate_candidates(lm: LanguageModel, tables: TreeTables | None, prompt_embeds: torch.Tensor | None,
@@ -171,7 +175,10 @@ def generate_candidates(lm: LanguageModel, tables: TreeTables | None, prompt_emb
     candidates = state.guesses.flatten(1).gather(1, tables.candidate_index[key])  # [B, C]
     node_tokens = torch.cat([state.root[:, None], candidates], dim=1)
     embeds = torch.cat([lm.embed(node_tokens), prompt_embeds[key]], dim=1)
-    return Candidates(node_tokens, embeds, tables.position_offset[key], tables.allowed[key])
+    prompt_rows = None
+    if lm.offsets is not None:
+        prompt_rows = torch.cat([torch.zeros_like(node_tokens), tables.prompt_index[key] + 1], dim=1)
+    return Candidates(node_tokens, embeds, tables.position_offset[key], tables.allowed[key], prompt_rows)
 
 
 def tree_decoding(lm: LanguageModel, state: DecodeState, rows: Candidates, slot_ids: torch.Tensor) -> torch.Tensor:
@@ -191,8 +198,13 @@ def tree_decoding(lm: LanguageModel, state: DecodeState, rows: Candidates, slot_
     else:
         masks = {kind: step_mask(rows.allowed, lengths, slot_ids, rows.embeds.dtype, rows.offsets, window)
                  for kind, window in lm.layers.kinds.items()}
-    return lm.body(inputs_embeds=rows.embeds, attention_mask=lm.layers.pack(masks), position_ids=positions,
-                   past_key_values=state.kv.view(slots, slot_ids.shape[0]), use_cache=True).last_hidden_state
+    if lm.offsets is not None:
+        lm.offsets.rows = rows.prompt_rows
+    hidden = lm.body(inputs_embeds=rows.embeds, attention_mask=lm.layers.pack(masks), position_ids=positions,
+                     past_key_values=state.kv.view(slots, slot_ids.shape[0]), use_cache=True).last_hidden_state
+    if lm.offsets is not None:
+        lm.offsets.rows = None
+    return hidden
 
 
 def evaluate_posterior(tables: TreeTables | None, state: DecodeState, rows: Candidates, node_logits: torch.Tensor,
