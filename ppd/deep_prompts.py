@@ -50,9 +50,10 @@ class LayerOffsets:
                 return output
             hidden = output[0] if isinstance(output, tuple) else output
             if self.rows.shape != hidden.shape[:2]:
-                raise RuntimeError(f"deep prompt tokens were told about prompt rows of a [{', '.join(map(str, self.rows.shape))}] "
-                                   f"forward during a [{', '.join(map(str, hidden.shape[:2]))}] one: set "
-                                   "LayerOffsets.rows before each forward (None where it has no prompt rows)")
+                told, seen = list(self.rows.shape), list(hidden.shape[:2])
+                raise RuntimeError(f"deep prompt tokens were told about the prompt rows of a {told} forward during "
+                                   f"a {seen} one: set LayerOffsets.rows before each forward (None where it has "
+                                   "no prompt rows)")
             table = self.tokens.offsets[index].to(hidden.dtype)
             table = torch.cat([table.new_zeros(1, table.shape[1]), table])  # row 0: a real token, no offset
             hidden = hidden + table[self.rows]

@@ -119,3 +119,13 @@ def test_deep_prompt_tokens_decode_losslessly_and_every_step_mode_agrees(capture
     assert sum(o.new_tokens - 1 - o.steps for o in ppd) > 0
     # the one-row step after a deep step: no prompt rows, no offsets (the hooks were told so)
     assert decoder.lm.offsets.rows is None
+
+
+def test_hooks_told_about_another_forward_refuse_instead_of_adding_offsets_in_the_wrong_places():
+    model = tiny_model("llama")
+    trainer = PromptTokenModel(model, random_prompt_tokens(model, deep=True))
+    trainer.layer_offsets.rows = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(RuntimeError, match=r"prompt rows of a \[1, 4\] forward during a \[1, 6\] one"):
+        model(input_ids=torch.tensor([BATCH[0]]))
+    trainer.layer_offsets.rows = None
+    model(input_ids=torch.tensor([BATCH[0]]))  # told there are none: the model's own forward
