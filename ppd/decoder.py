@@ -26,7 +26,7 @@ from .decoding.step import LanguageModel, StepKind
 from .decoding.support import UnsupportedModelError, checked_tree_attention
 from .decoding.tree_attention import BLOCK, MIN_CHUNK
 from .decoding.tables import TreeTables
-from .deep_prompts import attach_offsets
+from .deep_prompts import hooks_for, padded_offsets
 from .policy import BatchPolicy
 from .prompt_tokens import PromptTokens
 from .tree import TreeSet
@@ -141,7 +141,9 @@ class Decoder:
         if prompt_tokens is not None:
             prompt_tokens.check_compatible(model)
             prompt_tokens.to(self.device)
-            self.lm.offsets = attach_offsets(model, prompt_tokens)
+            self.lm.offsets = hooks_for(model, prompt_tokens)
+            if self.lm.offsets is not None:
+                self.lm.offset_table = padded_offsets(prompt_tokens.offsets.detach(), self.dtype)
             n, v = prompt_tokens.num_prompt_tokens, prompt_tokens.num_ensemble
             if trees is None and policy is not None:
                 trees = policy.for_batch(1)

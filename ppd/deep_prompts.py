@@ -6,11 +6,13 @@ layer l, row r of the prompt table has ``offsets[l, r]`` added to its hidden sta
 tuning, applied to PPD's appended prompt tokens). Real tokens are never touched, so the base model's own
 rows, and therefore lossless decoding, are unchanged.
 
-The offsets enter through forward hooks on the model's decoder layers (no copy of the model's code). A hook
-reads which rows of the current forward are prompt rows from a :class:`LayerOffsets` object's ``rows``
-([B, Q] long: prompt-table row + 1, 0 for a real token), set before the forward and cleared after it (training
-with gradient checkpointing keeps it until the backward has recomputed the forward). A decoding step sets it
-inside the compiled or captured step, so the offsets are part of the graph.
+The offsets enter through forward hooks on the model's decoder layers (no copy of the model's code),
+installed once per model. A hook reads which rows of the current forward are prompt rows from a
+:class:`LayerOffsets` object's ``rows`` ([B, Q] long: prompt-table row + 1, 0 for a real token) and the
+offsets from its ``table``, both set before the forward and cleared after it (training with gradient
+checkpointing keeps them until the backward has recomputed the forward). A decoding step sets them inside the
+compiled or captured step from its own inputs, so the offsets are part of the graph and a new decoder with
+other prompt tokens compiles nothing again.
 """
 
 from __future__ import annotations
@@ -32,17 +34,16 @@ def decoder_layers(model) -> nn.ModuleList:
 
 
 class LayerOffsets:
-    """Hooks that add ``tokens.offsets[l][rows - 1]`` to decoder layer l's output wherever ``rows > 0``
-    (``tokens``: deep :class:`~ppd.prompt_tokens.PromptTokens`, read at each forward, wherever they were moved)."""
+    """Hooks that add ``table[l][rows]`` to decoder layer l's output while ``rows`` is set (``table``: from
+    :func:`padded_offsets`, row 0 zeros for real tokens). Installed once per model (:func:`layer_offsets`) and
+    inert until told: a compiled step guards on the hooks, so they never change; the tables and rows are what
+    each forward brings."""
 
-    def __init__(self, model, tokens):
-        layers = decoder_layers(model)
-        if tokens.offsets is None or tokens.offsets.shape[0] != len(layers):
-            have = "no offsets" if tokens.offsets is None else f"offsets for {tokens.offsets.shape[0]} layers"
-            raise ValueError(f"the prompt tokens carry {have}; the model has {len(layers)} decoder layers")
-        self.tokens = tokens
+    def __init__(self, model):
         self.rows: torch.Tensor | None = None
-        self.handles = [layer.register_forward_hook(self._hook(i)) for i, layer in enumerate(layers)]
+        self.table: torch.Tensor | None = None
+        self.handles = [layer.register_forward_hook(self._hook(i)) for i, layer in enumerate(decoder_layers(model))]
+        self.num_layers = len(self.handles)
 
     def _hook(self, index: int):
         def add(module, args, output):
@@ -54,30 +55,40 @@ class LayerOffsets:
                 raise RuntimeError(f"deep prompt tokens were told about the prompt rows of a {told} forward during "
                                    f"a {seen} one: set LayerOffsets.rows before each forward (None where it has "
                                    "no prompt rows)")
-            table = self.tokens.offsets[index].to(hidden.dtype)
-            table = torch.cat([table.new_zeros(1, table.shape[1]), table])  # row 0: a real token, no offset
-            hidden = hidden + table[self.rows]
+            hidden = hidden + self.table[index].to(hidden.dtype)[self.rows]
             return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
         return add
 
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
+    def set(self, rows: torch.Tensor | None, table: torch.Tensor | None) -> None:
+        """What the next forward adds: ``table`` rows at ``rows`` (None, None: nothing)."""
+        self.rows, self.table = rows, table
 
 
-def attach_offsets(model, tokens) -> LayerOffsets | None:
-    """Hook ``tokens``' offsets into ``model``'s layers (None for plain prompt tokens), first removing the hooks
-    of prompt tokens attached earlier: a model serves one set of prompt tokens at a time, and stale hooks would
-    add their offsets to forwards that are not theirs."""
-    earlier = getattr(model, "_ppd_layer_offsets", None)
-    if earlier is not None and earlier.tokens is tokens and earlier.handles:
-        return earlier  # the same prompt tokens (a decoder and a replay of its adapter): one set of hooks
-    if earlier is not None:
-        earlier.remove()
-    hooks = LayerOffsets(model, tokens) if tokens.config.deep else None
-    object.__setattr__(model, "_ppd_layer_offsets", hooks)  # a plain attribute, not a submodule
+def layer_offsets(model) -> LayerOffsets:
+    """The model's :class:`LayerOffsets`, installed on first use and kept (a plain attribute, not a submodule)."""
+    hooks = getattr(model, "_ppd_layer_offsets", None)
+    if hooks is None:
+        hooks = LayerOffsets(model)
+        object.__setattr__(model, "_ppd_layer_offsets", hooks)
     return hooks
+
+
+def hooks_for(model, tokens) -> LayerOffsets | None:
+    """The hooks that apply deep ``tokens`` to ``model`` (None for plain prompt tokens), checked against its depth."""
+    if not tokens.config.deep:
+        return None
+    hooks = layer_offsets(model)
+    if tokens.offsets is None or tokens.offsets.shape[0] != hooks.num_layers:
+        have = "no offsets" if tokens.offsets is None else f"offsets for {tokens.offsets.shape[0]} layers"
+        raise ValueError(f"the prompt tokens carry {have}; the model has {hooks.num_layers} decoder layers")
+    return hooks
+
+
+def padded_offsets(offsets: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[layers, 1 + N * V, hidden]: the offsets after a zero row (what a real token gets), in ``dtype``
+    (differentiable: training reads its parameter through this)."""
+    offsets = offsets if dtype is None else offsets.to(dtype)
+    return torch.cat([offsets.new_zeros(offsets.shape[0], 1, offsets.shape[2]), offsets], dim=1)
 
 
 def prompt_row_index(is_prompt: torch.Tensor, table_row: torch.Tensor) -> torch.Tensor:

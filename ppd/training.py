@@ -19,7 +19,7 @@ from enum import Enum
 import torch
 from torch import nn
 
-from .deep_prompts import attach_offsets
+from .deep_prompts import hooks_for, padded_offsets
 from .losses import cross_entropy_loss, distillation_loss
 from .prefill import average_copies, build_prefill
 from .prompt_tokens import PromptTokens
@@ -51,7 +51,7 @@ class PromptTokenModel(nn.Module):
         self.objective = Objective(objective)
         self.decay = decay
         # Deep prompt tokens: hooks on the base model's layers add the offsets at the prompt rows of each forward.
-        self.layer_offsets = attach_offsets(base_model, prompt_tokens)
+        self.layer_offsets = hooks_for(base_model, prompt_tokens)
         self.checkpointing = False
 
     def gradient_checkpointing_enable(self, **kwargs) -> None:
@@ -85,11 +85,11 @@ class PromptTokenModel(nn.Module):
         inputs = build_prefill(self.base_model, batch, self.prompt_tokens(), config.num_prompt_tokens,
                                config.num_ensemble, config.attention_type, cuts)
         if self.layer_offsets is not None:
-            self.layer_offsets.rows = inputs.prompt_rows
+            self.layer_offsets.set(inputs.prompt_rows, padded_offsets(self.prompt_tokens.offsets))
         out = self.base_model(inputs_embeds=inputs.embeds, attention_mask=inputs.mask, position_ids=inputs.positions,
                               use_cache=False, logits_to_keep=inputs.keep)
         if self.layer_offsets is not None and not self.checkpointing:  # a checkpointed backward recomputes it
-            self.layer_offsets.rows = None
+            self.layer_offsets.set(None, None)
         return average_copies(inputs.rows(out.logits)[:, 1:], config.num_prompt_tokens, config.num_ensemble)
 
     def batch_logits(self, batch: dict) -> torch.Tensor:

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from ppd.deep_prompts import decoder_layers
+from ppd.deep_prompts import decoder_layers, padded_offsets
 from ppd.prefill import build_prefill
 from ppd.prompt_tokens import AdapterMismatchError, PromptTokens
 from ppd.training import PromptTokenModel
@@ -23,9 +23,11 @@ def _all_logits(trainer: PromptTokenModel, batch=BATCH) -> tuple[torch.Tensor, t
     inputs = build_prefill(trainer.base_model, batch, trainer.prompt_tokens(), config.num_prompt_tokens,
                            config.num_ensemble, config.attention_type)
     if trainer.layer_offsets is not None:
-        trainer.layer_offsets.rows = inputs.prompt_rows
+        trainer.layer_offsets.set(inputs.prompt_rows, padded_offsets(trainer.prompt_tokens.offsets))
     logits = trainer.base_model(inputs_embeds=inputs.embeds, attention_mask=inputs.mask,
                                 position_ids=inputs.positions, use_cache=False).logits
+    if trainer.layer_offsets is not None:
+        trainer.layer_offsets.set(None, None)
     real = torch.arange(inputs.width)[None, :] < inputs.lengths[:, None]
     return logits, real
 
@@ -47,15 +49,17 @@ def test_zero_offsets_are_the_plain_prompt_tokens_and_real_rows_never_change(arc
     torch.testing.assert_close(_all_logits(PromptTokenModel(model, deep))[0], plain_logits, rtol=0, atol=0)
 
 
-def test_a_model_keeps_the_hooks_of_its_last_prompt_tokens_only():
+def test_hooks_are_installed_once_and_act_only_when_told():
     model = tiny_model("llama")
     plain = random_prompt_tokens(model, seed=2)
     expected = PromptTokenModel(model, plain).prompt_logits(torch.tensor([BATCH[0]]), torch.tensor([6]))
-    PromptTokenModel(model, random_prompt_tokens(model, seed=2, deep=True)).prompt_logits(
-        torch.tensor([BATCH[0]]), torch.tensor([6]))
+    for seed in (2, 3):  # two deep adapters, one after the other, on the same model
+        PromptTokenModel(model, random_prompt_tokens(model, seed=seed, deep=True)).prompt_logits(
+            torch.tensor([BATCH[0]]), torch.tensor([6]))
     again = PromptTokenModel(model, plain).prompt_logits(torch.tensor([BATCH[0]]), torch.tensor([6]))
     torch.testing.assert_close(again, expected, rtol=0, atol=0)
-    assert all(not layer._forward_hooks for layer in decoder_layers(model))
+    assert all(len(layer._forward_hooks) == 1 for layer in decoder_layers(model))
+    assert model(input_ids=torch.tensor([BATCH[0]])).logits.isfinite().all()  # a plain forward: nothing added
 
 
 def test_offsets_train_and_round_trip(tmp_path):
@@ -124,8 +128,8 @@ def test_deep_prompt_tokens_decode_losslessly_and_every_step_mode_agrees(capture
 def test_hooks_told_about_another_forward_refuse_instead_of_adding_offsets_in_the_wrong_places():
     model = tiny_model("llama")
     trainer = PromptTokenModel(model, random_prompt_tokens(model, deep=True))
-    trainer.layer_offsets.rows = torch.zeros(1, 4, dtype=torch.long)
+    trainer.layer_offsets.set(torch.zeros(1, 4, dtype=torch.long), padded_offsets(trainer.prompt_tokens.offsets))
     with pytest.raises(RuntimeError, match=r"prompt rows of a \[1, 4\] forward during a \[1, 6\] one"):
         model(input_ids=torch.tensor([BATCH[0]]))
-    trainer.layer_offsets.rows = None
+    trainer.layer_offsets.set(None, None)
     model(input_ids=torch.tensor([BATCH[0]]))  # told there are none: the model's own forward

@@ -186,12 +186,12 @@ def prefill(decoder: "Decoder", batch: list[list[int]], state: DecodeState, use_
     slots = torch.arange(width, device=state.device)[None].expand(n, -1)
     hooks = decoder.lm.offsets
     if hooks is not None:
-        hooks.rows = inputs.prompt_rows
+        hooks.set(inputs.prompt_rows, decoder.lm.offset_table)
     out = decoder.model(inputs_embeds=inputs.embeds, attention_mask=inputs.mask, position_ids=inputs.positions,
                         past_key_values=state.kv.view(slots, width, rows=n), use_cache=True,
                         logits_to_keep=inputs.keep)
     if hooks is not None:
-        hooks.rows = None
+        hooks.set(None, None)
     rows = inputs.rows(out.logits)  # [n, 1 + N*V, vocab]
     state.lengths[:n] = inputs.lengths
     first = state.rows(0, n)

@@ -50,8 +50,10 @@ class LanguageModel:
     # Attention runs FlexAttention over a block mask made from the lengths (``ppd.decoding.tree_attention``)
     # instead of the model's own attention over a dense float mask.
     flex: bool = False
-    # Deep prompt tokens' hooks (``ppd.deep_prompts``): told each step which rows are prompt rows.
+    # Deep prompt tokens' hooks (``ppd.deep_prompts``), told each step which rows are prompt rows, and the
+    # offsets they add ([layers, 1 + N * V, hidden], the model's dtype): an input of the step like its tables.
     offsets: LayerOffsets | None = None
+    offset_table: torch.Tensor | None = None
     query_group: int = 1  # query heads per key head (FlexAttention's block masks lay their rows out by it)
     key_heads: int = 1  # key heads of an attention layer (a split FlexAttention step makes heads of its pieces)
 
@@ -199,11 +201,11 @@ def tree_decoding(lm: LanguageModel, state: DecodeState, rows: Candidates, slot_
         masks = {kind: step_mask(rows.allowed, lengths, slot_ids, rows.embeds.dtype, rows.offsets, window)
                  for kind, window in lm.layers.kinds.items()}
     if lm.offsets is not None:
-        lm.offsets.rows = rows.prompt_rows
+        lm.offsets.set(rows.prompt_rows, lm.offset_table)
     hidden = lm.body(inputs_embeds=rows.embeds, attention_mask=lm.layers.pack(masks), position_ids=positions,
                      past_key_values=state.kv.view(slots, slot_ids.shape[0]), use_cache=True).last_hidden_state
     if lm.offsets is not None:
-        lm.offsets.rows = None
+        lm.offsets.set(None, None)
     return hidden
 
 
