@@ -112,7 +112,7 @@ class PromptTokens(nn.Module):
     def save_pretrained(self, directory: str | Path) -> None:
         """Write the adapter directory atomically (a reader never sees half an adapter)."""
         tensors = {name: t.detach().float().cpu().contiguous() for name, t in self.tensors().items()}
-        for name, tensor in tensors.items():
+        for tensor in tensors.values():
             _check_finite(tensor, "refusing to save prompt tokens with")
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
