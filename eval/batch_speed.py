@@ -13,6 +13,9 @@ ships one for this device and dtype: its tree for each bucket, or the one-row st
 file adds a ``ppd:<file>`` variant verifying every batch with that one tree set. Each batch size is
 warmed up untimed first (capture and compilation, and one short generation). Greedy outputs of every
 variant are compared with the baseline's. Writes JSON, a table and a plot of the speed-up by batch size.
+Each batch size's rows are written to ``--output`` as soon as they are measured: a run cut off (a time limit,
+a machine taken back) keeps them, and the same command run again measures only the batch sizes missing; a
+cut-off file of other settings is refused (one line, exit status 2).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from ppd.tree import TreeSet
 
 from .benchmarks import load_benchmark
 from .gen_answers import prompt_ids, turn_messages
-from .records import environment, write_json
+from .records import PartialRun, SettingsMismatch, environment
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -55,19 +58,31 @@ def prompts_for(tokenizer, bench: str, count: int) -> list[list[int]]:
             for i in range(count)]
 
 
-def run(args: argparse.Namespace) -> dict:
+RUN_FLAGS_NOT_SETTINGS = ("batch_sizes", "output", "plot")  # what a cut-off run may change when it is finished
+
+
+def run(args: argparse.Namespace) -> tuple[dict, PartialRun]:
+    """Every batch size's rows (those a cut-off run of the same settings left in ``--output`` are not measured
+    again), and the record that writes them."""
     loaded = load_decoder_or_exit(args)
     decoder = loaded.decoder
     device = decoder.device
+    settings = {**{k: v for k, v in vars(args).items() if k not in RUN_FLAGS_NOT_SETTINGS}, **environment(device)}
+    partial = PartialRun(args.output, settings)  # each batch size is written as soon as it is measured
     exact = not captures_graphs(resolve_mode(args.capture, device))
     variants = {"baseline": (decoder, "baseline"), "ppd": (decoder, "ppd")}
     for name in args.trees:
         variants[f"ppd:{Path(name).name}"] = (decoder.with_trees(TreeSet.load(name)), "ppd")
+    header = {"model": loaded.info.model_id, "adapter": loaded.adapter, "tree": loaded.tree, "bench": args.bench,
+              "max_new_tokens": args.max_new_tokens, "capture": args.capture,
+              "dtype": str(decoder.dtype).removeprefix("torch."), **environment(device)}
     prompts = prompts_for(loaded.tokenizer, args.bench, max(args.batch_sizes))
-    rows = []
     for batch in args.batch_sizes:
+        if len(partial.measured(batch_size=batch)) == len(variants):
+            print(f"batch {batch:4d} | measured already in {args.output}", file=sys.stderr)
+            continue
         inputs = prompts[:batch]
-        outputs = {}
+        outputs, rows = {}, []
         for name, (dec, method) in variants.items():
             config = DecodeConfig(method=method, max_new_tokens=args.max_new_tokens, capture=args.capture)
             warmup = dec.warmup(batch_sizes=[batch], methods=[method], capture=args.capture)
@@ -84,14 +99,15 @@ def run(args: argparse.Namespace) -> dict:
                          "accept_length": tokens / steps if steps else None, "warmup_s": warmup,
                          "max_steps": max(o.steps for o in outs)})
             print(f"batch {batch:4d} | {name} | {tokens / wall:9.1f} tokens/s", file=sys.stderr)
-        for row in rows[-len(variants):]:
+        baseline = next(r["tokens_per_s"] for r in rows if r["variant"] == "baseline")
+        for row in rows:
             row["identical_to_baseline"] = sum(a == b for a, b in zip(outputs[row["variant"]], outputs["baseline"])
                                                ) / batch
-            row["speedup"] = row["tokens_per_s"] / next(r["tokens_per_s"] for r in rows[-len(variants):]
-                                                        if r["variant"] == "baseline")
-    return {"model": loaded.info.model_id, "adapter": loaded.adapter, "tree": loaded.tree, "bench": args.bench,
-            "max_new_tokens": args.max_new_tokens, "capture": args.capture,
-            "dtype": str(decoder.dtype).removeprefix("torch."), **environment(device), "rows": rows}
+            row["speedup"] = row["tokens_per_s"] / baseline
+        partial.add(rows, header)
+    order = {batch: i for i, batch in enumerate(args.batch_sizes)}
+    rows = sorted((r for r in partial.rows if r["batch_size"] in order), key=lambda r: order[r["batch_size"]])
+    return {**header, "rows": rows}, partial
 
 
 def table(result: dict) -> str:
@@ -133,13 +149,16 @@ def plot(result: dict, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
-    with torch.no_grad():
-        result = run(args)
+    try:
+        with torch.no_grad():
+            result, partial = run(args)
+    except SettingsMismatch as error:
+        print(f"batch_speed: error: {error}", file=sys.stderr)
+        return 2
     print(f"{result['model']} ({result['adapter']}, {result['tree']}) on {result['device']}, {result['dtype']}, "
           f"{result['bench']}, max_new_tokens={result['max_new_tokens']}")
     print(table(result))
-    if args.output:
-        write_json(args.output, {**result, "command": " ".join(["python -m eval.batch_speed", *(argv or sys.argv[1:])])})
+    partial.finish({**result, "command": " ".join(["python -m eval.batch_speed", *(argv or sys.argv[1:])])})
     if args.plot:
         plot(result, args.plot)
     return 0

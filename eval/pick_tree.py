@@ -16,6 +16,8 @@ same way. ``--install`` copies the best tree into the adapter directory as
 baseline wins, it says so, and the best tree is still what PPD uses on that device. ``--captures graph
 compiled_graph`` times every tree under each capture mode and reports the best mode for the tree step
 and for the one-row step (``best_tree_capture``, ``baseline_capture``).
+With ``--batch_sizes`` every step time is written to ``--output`` as soon as it is measured, and the same
+command run again after a cut-off run times only what is missing (the policy is installed once all are).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from ppd.prompt_tokens import packaged_adapter
 from ppd.tree import TreeSet
 from ppd.tree_builder import expected_tokens_per_step
 
-from .records import environment, write_json
+from .records import PartialRun, SettingsMismatch, environment, write_json
 from .step_latency import step_time
 
 
@@ -143,26 +145,43 @@ def pick_policy(args, loaded, sets: dict[str, TreeSet]) -> int:
     decoder = loaded.decoder
     device = decoder.device
     batch_sizes = sorted(set(args.batch_sizes))
-    rows = []
+    # Each (tree, batch size) step time is written as soon as it is measured; a cut-off run of the same
+    # settings (trees and batch sizes aside) is finished by the same command.
+    settings = {**{k: v for k, v in vars(args).items() if k not in ("trees", "batch_sizes", "output", "install")},
+                **environment(device)}
+    try:
+        partial = PartialRun(args.output, settings)
+    except SettingsMismatch as error:
+        print(f"pick_tree: error: {error}", file=sys.stderr)
+        return 2
+    header = {"context": args.context, "adapter": loaded.adapter, "dtype": dtype_name(decoder),
+              "capture": args.capture, **environment(device)}
 
     def measure(name: str, dec, method: str, expected: float) -> None:
         for batch in batch_sizes:
+            if partial.measured(tree=name, batch_size=batch):
+                print(f"batch {batch:4d} | {name} | measured already in {args.output}", file=sys.stderr)
+                continue
             timed = step_time(dec, method, args.context, args.steps, args.capture, batch_size=batch)
             latency = timed["step_ms"] / 1e3
-            rows.append({"tree": name, "batch_size": batch, "rows": timed["rows"], "expected_tokens": expected,
-                         "latency_s": latency, "capture_s": timed["capture_s"],
-                         "tokens_per_s": batch * expected / latency})
+            partial.add([{"tree": name, "batch_size": batch, "rows": timed["rows"], "expected_tokens": expected,
+                          "latency_s": latency, "capture_s": timed["capture_s"],
+                          "tokens_per_s": batch * expected / latency}], header)
             print(f"batch {batch:4d} | {name} | {timed['rows']} rows | {timed['step_ms']:.2f} ms | "
                   f"capture {timed['capture_s']:.1f} s, warm-up {timed['warmup_s']:.1f} s", file=sys.stderr)
 
     with torch.no_grad():
         measure("baseline (1 row)", decoder, "baseline", 1.0)
         for name, trees in sets.items():
+            if all(partial.measured(tree=name, batch_size=batch) for batch in batch_sizes):
+                continue  # no decoder (nor its caches) for a tree measured before the cut
             tree_decoder = decoder.with_trees(trees)
             measure(name, tree_decoder, "ppd", expected_tokens(trees))
             del tree_decoder  # its caches and graphs go before the next tree's are made
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    names = ["baseline (1 row)", *sets]
+    rows = [r for name in names for batch in batch_sizes for r in partial.measured(tree=name, batch_size=batch)]
     picks = []
     for batch in batch_sizes:
         here = [r for r in rows if r["batch_size"] == batch]
@@ -190,10 +209,7 @@ def pick_policy(args, loaded, sets: dict[str, TreeSet]) -> int:
         target = target_dir(args, loaded) / f"policy_{device.type}_{dtype_name(decoder)}.json"
         policy.save(target)
         print(f"installed the batch policy as {target}")
-    if args.output:
-        write_json(args.output, {"context": args.context, "adapter": loaded.adapter, "rows": rows, "picks": picks,
-                                 "dtype": dtype_name(decoder), "capture": args.capture, "policy": policy.to_json(),
-                                 **environment(device)})
+    partial.finish({**header, "rows": rows, "picks": picks, "policy": policy.to_json()})
     return 0
 
 

@@ -1,0 +1,132 @@
+"""Benchmarks cut off before their end keep what they measured, and the same command finishes them
+(eval.records.PartialRun): eval.batch_speed on the real model, and the record's own rules."""
+
+import json
+
+import pytest
+
+from eval import batch_speed
+from eval.records import PartialRun, SettingsMismatch
+from ppd.decoder import Decoder
+
+CPU = ["--device", "cpu", "--dtype", "float32", "--capture", "eager", "--max_seq_len", "512"]
+
+
+class CutOff(Exception):
+    """Stands for the process being killed (a device call's time limit) right after a group was written."""
+
+
+def test_a_cut_off_batch_speed_run_is_finished_by_the_same_command(tmp_path, monkeypatch, capsys):
+    output = tmp_path / "speed.json"
+    argv = ["--batch_sizes", "1", "2", "--max_new_tokens", "6", "--bench", "gsm8k", *CPU, "--output", str(output)]
+    add = PartialRun.add
+
+    def add_then_die(self, rows, record=None):
+        add(self, rows, record)
+        raise CutOff
+
+    monkeypatch.setattr(PartialRun, "add", add_then_die)
+    with pytest.raises(CutOff):
+        batch_speed.main(argv)
+    cut = json.loads(output.read_text())
+    assert cut["complete"] is False and {r["batch_size"] for r in cut["rows"]} == {1}
+    assert {r["variant"] for r in cut["rows"]} == {"baseline", "ppd"}
+
+    # Finishing it with other settings is refused, naming the difference, and leaves the file as it was.
+    other = [("7" if a == "6" else a) for a in argv]
+    assert batch_speed.main(other) == 2
+    error = capsys.readouterr().err
+    assert "cut off with max_new_tokens 6, but this run asks for 7" in error and "--output" in error
+    assert json.loads(output.read_text()) == cut
+
+    monkeypatch.setattr(PartialRun, "add", add)
+    warmed = []
+    warmup = Decoder.warmup
+
+    def counted_warmup(self, batch_sizes=(1,), **kwargs):
+        warmed.extend(batch_sizes)
+        return warmup(self, batch_sizes=batch_sizes, **kwargs)
+
+    monkeypatch.setattr(Decoder, "warmup", counted_warmup)
+    assert batch_speed.main(argv) == 0
+    assert warmed == [2, 2]  # batch 2, baseline and ppd; batch 1 was measured before the cut
+    assert "batch    1 | measured already" in capsys.readouterr().err
+    done = json.loads(output.read_text())
+    assert done["complete"] is True and done["command"].startswith("python -m eval.batch_speed")
+    assert [(r["batch_size"], r["variant"]) for r in done["rows"]] == [(1, "baseline"), (1, "ppd"),
+                                                                      (2, "baseline"), (2, "ppd")]
+    assert done["rows"][:2] == cut["rows"]  # kept as measured
+    for row in done["rows"]:
+        assert row["identical_to_baseline"] == 1.0 and row["new_tokens"] == 6 * row["batch_size"]
+        assert row["speedup"] == pytest.approx(row["tokens_per_s"] / next(
+            r["tokens_per_s"] for r in done["rows"] if r["batch_size"] == row["batch_size"]
+            and r["variant"] == "baseline"))
+
+    # Finished, the same command measures again from the start (the usual overwrite).
+    warmed.clear()
+    assert batch_speed.main(argv) == 0
+    assert warmed == [1, 1, 2, 2]
+
+
+def test_partial_run_rules(tmp_path):
+    path = tmp_path / "run.json"
+    settings = {"dtype": "bfloat16", "sizes": (1, 2)}
+    first = PartialRun(path, settings)
+    first.add([{"batch_size": 1, "x": 1.0}], {"model": "m"})
+    assert json.loads(path.read_text()) == {"model": "m", "settings": {"dtype": "bfloat16", "sizes": [1, 2]},
+                                            "rows": [{"batch_size": 1, "x": 1.0}], "complete": False}
+    again = PartialRun(path, settings)  # tuples and lists compare as the file holds them
+    assert again.measured(batch_size=1) == [{"batch_size": 1, "x": 1.0}] and again.measured(batch_size=2) == []
+    with pytest.raises(SettingsMismatch, match="dtype 'bfloat16', but this run asks for 'float32'"):
+        PartialRun(path, {**settings, "dtype": "float32"})
+    with pytest.raises(SettingsMismatch, match="'unknown'"):  # a setting the cut-off run did not record
+        PartialRun(path, {**settings, "new": 1})
+    again.finish({"rows": again.rows})
+    assert PartialRun(path, {"anything": 0}).rows == []  # a complete run is not resumed
+    path.write_text("{not json")
+    with pytest.raises(SettingsMismatch, match="is not a JSON record"):
+        PartialRun(path, settings)
+    assert PartialRun(None, settings).measured() == []  # no output file: nothing kept, nothing written
+
+
+def test_a_cut_off_batch_policy_pick_is_finished_and_installs_the_best_tree_per_bucket(tmp_path, monkeypatch):
+    import shutil
+
+    from eval import pick_tree
+    from ppd.policy import BatchPolicy
+    from ppd.prompt_tokens import packaged_adapter
+
+    adapter = tmp_path / "adapter"
+    shutil.copytree(packaged_adapter("HuggingFaceTB/SmolLM2-135M-Instruct"), adapter)
+    trees = [str(adapter / "tree_cpu_bfloat16.json"), "results/train/v4/runs/deep-e2/trees/tree_8.json"]
+    output = tmp_path / "pick.json"
+    argv = ["--trees", *trees, "--batch_sizes", "1", "2", "--steps", "2", "--context", "40", *CPU,
+            "--adapter", str(adapter), "--output", str(output), "--install"]
+    add, added = PartialRun.add, []
+
+    def add_until_the_third(self, rows, record=None):
+        add(self, rows, record)
+        added.append(rows)
+        if len(added) == 3:
+            raise CutOff
+
+    monkeypatch.setattr(PartialRun, "add", add_until_the_third)
+    with pytest.raises(CutOff):
+        pick_tree.main(argv)
+    assert not (adapter / "policy_cpu_float32.json").exists()  # nothing installed from a cut-off run
+    cut = json.loads(output.read_text())
+    assert cut["complete"] is False and [(r["tree"], r["batch_size"]) for r in cut["rows"]] == [
+        ("baseline (1 row)", 1), ("baseline (1 row)", 2), (trees[0], 1)]
+
+    monkeypatch.setattr(PartialRun, "add", add)
+    assert pick_tree.main(argv) == 0
+    done = json.loads(output.read_text())
+    assert done["complete"] is True and done["rows"][:3] == cut["rows"]
+    assert [(r["tree"], r["batch_size"]) for r in done["rows"]] == [
+        (name, batch) for name in ["baseline (1 row)", *trees] for batch in (1, 2)]
+    policy = BatchPolicy.load(adapter / "policy_cpu_float32.json")
+    for pick, bucket, chosen in zip(done["picks"], policy.buckets, policy.trees):
+        here = [r for r in done["rows"] if r["batch_size"] == bucket]
+        best = max(here, key=lambda r: r["tokens_per_s"])
+        assert pick["batch_size"] == bucket and pick["tokens_per_s"] == best["tokens_per_s"]
+        assert (chosen is None) == (best["tree"] == "baseline (1 row)") == (pick["tree"] is None)
