@@ -24,7 +24,9 @@ before). Its prefill time is the time until the prefill's tokens were read back 
 batch) / (wall time - prefill time); end-to-end throughput is new tokens / wall time. Greedy outputs are
 compared with the baseline's (``hf_static``'s without a baseline). A combination that runs out of GPU memory
 is recorded with its error and the run goes on. Writes JSON, a markdown table and a plot of PPD's decode-only
-speed-up over the baseline by context length (one line per batch size).
+speed-up over the baseline by context length (one line per batch size). Each context and batch size is
+written to ``--output`` once all its methods are measured; the same command run again after a cut-off run
+measures only what is missing (a cut-off file of other settings is refused: one line, exit status 2).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from ppd.conversations import MalformedRecord, load_conversations, to_messages
 from ppd.decoding.graphs import compile_limits
 from ppd.teacher import left_padded
 
-from .records import environment, write_json
+from .records import PartialRun, SettingsMismatch, environment
 
 METHODS = ("ppd", "baseline", "hf_static")
 ENGINE_METHODS = ("ppd", "baseline")
@@ -281,18 +283,31 @@ def _compare(rows: list[dict], methods: list[str]) -> None:
             ppd[f"speedup_vs_{other}"] = _ratio(ppd.get("tokens_per_s"), base.get("tokens_per_s"))
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace) -> tuple[dict, PartialRun]:
+    """Every context and batch size's rows (those a cut-off run of the same settings left in ``--output`` are
+    not measured again), and the record that writes them."""
     check_contexts(args.contexts, args.max_new_tokens)
     loaded = load_decoder_or_exit(args, with_prompt_tokens="ppd" in args.methods)
     decoder = loaded.decoder
     device = decoder.device
     check_contexts(args.contexts, args.max_new_tokens, decoder.capacity, decoder.capacity_reason)
-    rows = []
+    settings = {**{k: v for k, v in vars(args).items() if k not in ("contexts", "batch_sizes", "output", "plot")},
+                **environment(device)}
+    partial = PartialRun(args.output, settings)  # each context and batch size is written once measured
+    header = {"model": loaded.info.model_id, "adapter": loaded.adapter, "tree": loaded.tree,
+              "max_new_tokens": args.max_new_tokens, "capture": args.capture,
+              "dtype": str(decoder.dtype).removeprefix("torch."), "capacity": decoder.capacity,
+              "attention": decoder.attention.value, "prompt_source": conversation_source(args.data_path)[0],
+              "args": vars(args), "environment": environment(device)}
     with compile_limits():  # hf_static compiles its forward once per shape (batch size, cache length) on a GPU
         for context in args.contexts:
             prompts = long_prompts(loaded.tokenizer, context - args.max_new_tokens, max(args.batch_sizes),
                                    args.data_path)
             for batch in args.batch_sizes:
+                if len(partial.measured(context=context, batch_size=batch)) == len(args.methods):
+                    print(f"context {context:6d} | batch {batch:4d} | measured already in {args.output}",
+                          file=sys.stderr)
+                    continue
                 inputs = prompts[:batch]
                 here = []
                 for method in args.methods:
@@ -309,14 +324,12 @@ def run(args: argparse.Namespace) -> dict:
                     print(f"context {context:6d} | batch {batch:4d} | {method:9s} | {speed}", file=sys.stderr)
                     here.append(row)
                 _compare(here, args.methods)
-                rows += here
-    for row in rows:
-        row.pop("token_ids", None)
-    return {"model": loaded.info.model_id, "adapter": loaded.adapter, "tree": loaded.tree,
-            "max_new_tokens": args.max_new_tokens, "capture": args.capture,
-            "dtype": str(decoder.dtype).removeprefix("torch."), "capacity": decoder.capacity, "attention": decoder.attention.value,
-            "prompt_source": conversation_source(args.data_path)[0],
-            "args": vars(args), "environment": environment(device), "rows": rows}
+                for row in here:
+                    row.pop("token_ids", None)
+                partial.add(here, header)
+    rows = [r for context in args.contexts for batch in args.batch_sizes
+            for r in partial.measured(context=context, batch_size=batch)]
+    return {**header, "rows": rows}, partial
 
 
 # ---------------------------------------------------------------------------------------------- reporting
@@ -387,16 +400,14 @@ def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     try:
         with torch.no_grad():
-            result = run(args)
-    except ContextError as error:
+            result, partial = run(args)
+    except (ContextError, SettingsMismatch) as error:
         print(f"long_context: error: {error}", file=sys.stderr)
         return 2
     print(f"{result['model']} ({result['adapter']}, {result['tree']}) on {result['environment']['device']}, "
           f"{result['dtype']}, max_new_tokens={result['max_new_tokens']}")
     print(table(result))
-    if args.output:
-        write_json(args.output, {**result,
-                                 "command": " ".join(["python -m eval.long_context", *(argv or sys.argv[1:])])})
+    partial.finish({**result, "command": " ".join(["python -m eval.long_context", *(argv or sys.argv[1:])])})
     if args.plot:
         plot(result, args.plot)
     return 0

@@ -16,16 +16,23 @@ class CutOff(Exception):
     """Stands for the process being killed (a device call's time limit) right after a group was written."""
 
 
-def test_a_cut_off_batch_speed_run_is_finished_by_the_same_command(tmp_path, monkeypatch, capsys):
-    output = tmp_path / "speed.json"
-    argv = ["--batch_sizes", "1", "2", "--max_new_tokens", "6", "--bench", "gsm8k", *CPU, "--output", str(output)]
-    add = PartialRun.add
+def cut_off_after(monkeypatch, groups: int) -> None:
+    """Make runs die right after writing their ``groups``-th group (``PartialRun.add`` as it is, then a kill)."""
+    add, added = PartialRun.add, []
 
     def add_then_die(self, rows, record=None):
         add(self, rows, record)
-        raise CutOff
+        added.append(rows)
+        if len(added) == groups:
+            raise CutOff
 
     monkeypatch.setattr(PartialRun, "add", add_then_die)
+
+
+def test_a_cut_off_batch_speed_run_is_finished_by_the_same_command(tmp_path, monkeypatch, capsys):
+    output = tmp_path / "speed.json"
+    argv = ["--batch_sizes", "1", "2", "--max_new_tokens", "6", "--bench", "gsm8k", *CPU, "--output", str(output)]
+    cut_off_after(monkeypatch, 1)
     with pytest.raises(CutOff):
         batch_speed.main(argv)
     cut = json.loads(output.read_text())
@@ -39,7 +46,7 @@ def test_a_cut_off_batch_speed_run_is_finished_by_the_same_command(tmp_path, mon
     assert "cut off with max_new_tokens 6, but this run asks for 7" in error and "--output" in error
     assert json.loads(output.read_text()) == cut
 
-    monkeypatch.setattr(PartialRun, "add", add)
+    monkeypatch.undo()
     warmed = []
     warmup = Decoder.warmup
 
@@ -102,15 +109,7 @@ def test_a_cut_off_batch_policy_pick_is_finished_and_installs_the_best_tree_per_
     output = tmp_path / "pick.json"
     argv = ["--trees", *trees, "--batch_sizes", "1", "2", "--steps", "2", "--context", "40", *CPU,
             "--adapter", str(adapter), "--output", str(output), "--install"]
-    add, added = PartialRun.add, []
-
-    def add_until_the_third(self, rows, record=None):
-        add(self, rows, record)
-        added.append(rows)
-        if len(added) == 3:
-            raise CutOff
-
-    monkeypatch.setattr(PartialRun, "add", add_until_the_third)
+    cut_off_after(monkeypatch, 3)
     with pytest.raises(CutOff):
         pick_tree.main(argv)
     assert not (adapter / "policy_cpu_float32.json").exists()  # nothing installed from a cut-off run
@@ -118,7 +117,7 @@ def test_a_cut_off_batch_policy_pick_is_finished_and_installs_the_best_tree_per_
     assert cut["complete"] is False and [(r["tree"], r["batch_size"]) for r in cut["rows"]] == [
         ("baseline (1 row)", 1), ("baseline (1 row)", 2), (trees[0], 1)]
 
-    monkeypatch.setattr(PartialRun, "add", add)
+    monkeypatch.undo()
     assert pick_tree.main(argv) == 0
     done = json.loads(output.read_text())
     assert done["complete"] is True and done["rows"][:3] == cut["rows"]
@@ -130,3 +129,35 @@ def test_a_cut_off_batch_policy_pick_is_finished_and_installs_the_best_tree_per_
         best = max(here, key=lambda r: r["tokens_per_s"])
         assert pick["batch_size"] == bucket and pick["tokens_per_s"] == best["tokens_per_s"]
         assert (chosen is None) == (best["tree"] == "baseline (1 row)") == (pick["tree"] is None)
+
+
+def test_a_cut_off_long_context_run_is_finished_by_the_same_command(tmp_path, monkeypatch):
+    from eval import long_context
+
+    output = tmp_path / "long.json"
+    argv = ["--contexts", "256", "--batch_sizes", "1", "2", "--max_new_tokens", "4", "--methods", "ppd", "baseline",
+            "--device", "cpu", "--dtype", "float32", "--capture", "eager", "--output", str(output)]
+    cut_off_after(monkeypatch, 1)
+    with pytest.raises(CutOff):
+        long_context.main(argv)
+    cut = json.loads(output.read_text())
+    assert cut["complete"] is False and [(r["batch_size"], r["method"]) for r in cut["rows"]] == [(1, "ppd"),
+                                                                                              (1, "baseline")]
+    assert all("token_ids" not in r for r in cut["rows"])
+
+    monkeypatch.undo()
+    measured = []
+    measure = long_context.measure
+
+    def counted(loaded, method, inputs, args):
+        measured.append((len(inputs), method))
+        return measure(loaded, method, inputs, args)
+
+    monkeypatch.setattr(long_context, "measure", counted)
+    assert long_context.main(argv) == 0
+    assert measured == [(2, "ppd"), (2, "baseline")]
+    done = json.loads(output.read_text())
+    assert done["complete"] is True and done["rows"][:2] == cut["rows"]
+    assert [(r["batch_size"], r["method"]) for r in done["rows"]] == [(1, "ppd"), (1, "baseline"), (2, "ppd"),
+                                                                      (2, "baseline")]
+    assert all(r["identical_to_reference"] == 1.0 for r in done["rows"] if r["method"] == "ppd")
