@@ -35,7 +35,7 @@ from ppd.tree import TreeSet
 
 from .benchmarks import load_benchmark
 from .gen_answers import prompt_ids, turn_messages
-from .records import PartialRun, SettingsMismatch, environment
+from .records import PartialRun, SettingsMismatch, environment, run_settings
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -58,17 +58,14 @@ def prompts_for(tokenizer, bench: str, count: int) -> list[list[int]]:
             for i in range(count)]
 
 
-RUN_FLAGS_NOT_SETTINGS = ("batch_sizes", "output", "plot")  # what a cut-off run may change when it is finished
-
-
 def run(args: argparse.Namespace) -> tuple[dict, PartialRun]:
     """Every batch size's rows (those a cut-off run of the same settings left in ``--output`` are not measured
     again), and the record that writes them."""
     loaded = load_decoder_or_exit(args)
     decoder = loaded.decoder
     device = decoder.device
-    settings = {**{k: v for k, v in vars(args).items() if k not in RUN_FLAGS_NOT_SETTINGS}, **environment(device)}
-    partial = PartialRun(args.output, settings)  # each batch size is written as soon as it is measured
+    # Each batch size is written as soon as it is measured.
+    partial = PartialRun(args.output, run_settings(args, device, ("batch_sizes", "output", "plot")))
     exact = not captures_graphs(resolve_mode(args.capture, device))
     variants = {"baseline": (decoder, "baseline"), "ppd": (decoder, "ppd")}
     for name in args.trees:

@@ -47,7 +47,7 @@ from ppd.conversations import MalformedRecord, load_conversations, to_messages
 from ppd.decoding.graphs import compile_limits
 from ppd.teacher import left_padded
 
-from .records import PartialRun, SettingsMismatch, environment
+from .records import PartialRun, SettingsMismatch, environment, run_settings
 
 METHODS = ("ppd", "baseline", "hf_static")
 ENGINE_METHODS = ("ppd", "baseline")
@@ -291,9 +291,8 @@ def run(args: argparse.Namespace) -> tuple[dict, PartialRun]:
     decoder = loaded.decoder
     device = decoder.device
     check_contexts(args.contexts, args.max_new_tokens, decoder.capacity, decoder.capacity_reason)
-    settings = {**{k: v for k, v in vars(args).items() if k not in ("contexts", "batch_sizes", "output", "plot")},
-                **environment(device)}
-    partial = PartialRun(args.output, settings)  # each context and batch size is written once measured
+    # Each context and batch size is written once all its methods are measured.
+    partial = PartialRun(args.output, run_settings(args, device, ("contexts", "batch_sizes", "output", "plot")))
     header = {"model": loaded.info.model_id, "adapter": loaded.adapter, "tree": loaded.tree,
               "max_new_tokens": args.max_new_tokens, "capture": args.capture,
               "dtype": str(decoder.dtype).removeprefix("torch."), "capacity": decoder.capacity,

@@ -35,7 +35,7 @@ from ppd.prompt_tokens import packaged_adapter
 from ppd.tree import TreeSet
 from ppd.tree_builder import expected_tokens_per_step
 
-from .records import PartialRun, SettingsMismatch, environment, write_json
+from .records import PartialRun, SettingsMismatch, environment, run_settings, write_json
 from .step_latency import step_time
 
 
@@ -147,10 +147,8 @@ def pick_policy(args, loaded, sets: dict[str, TreeSet]) -> int:
     batch_sizes = sorted(set(args.batch_sizes))
     # Each (tree, batch size) step time is written as soon as it is measured; a cut-off run of the same
     # settings (trees and batch sizes aside) is finished by the same command.
-    settings = {**{k: v for k, v in vars(args).items() if k not in ("trees", "batch_sizes", "output", "install")},
-                **environment(device)}
     try:
-        partial = PartialRun(args.output, settings)
+        partial = PartialRun(args.output, run_settings(args, device, ("trees", "batch_sizes", "output", "install")))
     except SettingsMismatch as error:
         print(f"pick_tree: error: {error}", file=sys.stderr)
         return 2

@@ -44,6 +44,12 @@ def write_summary(output_dir: str | os.PathLike, summary: dict, table: str) -> N
     print(table)
 
 
+def run_settings(args, device: torch.device, varying: tuple[str, ...]) -> dict:
+    """What a benchmark's rows depend on: its flags except ``varying`` (those a cut-off run may change when
+    it is finished: the grid it walks, where it writes), and the device and library versions."""
+    return {**{k: v for k, v in vars(args).items() if k not in varying}, **environment(device)}
+
+
 class SettingsMismatch(ValueError):
     """An output file holds a cut-off run of other settings (the program says so in one line, exit status 2)."""
 
