@@ -95,7 +95,8 @@ def run(args: argparse.Namespace) -> tuple[dict, PartialRun]:
                          "new_tokens": tokens, "wall_time_s": wall, "tokens_per_s": tokens / wall,
                          "accept_length": tokens / steps if steps else None, "warmup_s": warmup,
                          "max_steps": max(o.steps for o in outs)})
-            print(f"batch {batch:4d} | {name} | {tokens / wall:9.1f} tokens/s", file=sys.stderr)
+            print(f"batch {batch:4d} | {name} | {tokens / wall:9.1f} tokens/s | accept length "
+                  f"{tokens / max(steps, 1):.2f} | warm-up {warmup:.0f} s", file=sys.stderr)
         baseline = next(r["tokens_per_s"] for r in rows if r["variant"] == "baseline")
         for row in rows:
             row["identical_to_baseline"] = sum(a == b for a, b in zip(outputs[row["variant"]], outputs["baseline"])

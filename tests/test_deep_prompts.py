@@ -108,10 +108,16 @@ def test_plain_adapters_are_still_written_as_format_1(tmp_path):
     assert deep["format_version"] == 2 and deep["deep"] is True and deep["num_layers"] == 2
 
 
-@pytest.mark.parametrize("capture", ["eager", "compile"])
+ON_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+
+@pytest.mark.parametrize("capture", ["eager", "compile", pytest.param("graph", marks=ON_GPU),
+                                     pytest.param("compiled_graph", marks=ON_GPU)])
 def test_deep_prompt_tokens_decode_losslessly_and_every_step_mode_agrees(capture):
     from ppd.decoder import Decoder
     model = tiny_model("llama")
+    if capture in ("graph", "compiled_graph"):  # the offsets as inputs of a captured step
+        model = model.cuda()
     tokens = random_prompt_tokens(model, n=3, v=1, seed=1, deep=True)
     decoder = Decoder(model, tokens)
     prompts = [[5, 9, 2, 7, 7, 1, 4, 4], [3, 8, 1], [11]]
