@@ -25,7 +25,7 @@ from .decoding.state import DecodeState, StatePool
 from .decoding.step import LanguageModel, StepKind
 from .decoding.support import UnsupportedModelError, checked_tree_attention
 from .decoding.tree_attention import BLOCK, MIN_CHUNK
-from .decoding.tables import TreeTables
+from .decoding.tables import MIN_SIZE, TreeTables
 from .deep_prompts import hooks_for, padded_offsets
 from .policy import BatchPolicy
 from .prompt_tokens import PromptTokens
@@ -224,14 +224,15 @@ class Decoder:
         widest = max((x.num_rows for x in self._tables_of.values()), default=1)
         rows = max(widest, n_prompt * (t.num_ensemble if t else 1) + 1)
         # Room past the longest committed prefix for one step's rows (or the prefill's prompt rows).
-        # A step emits at most N + 1 tokens (a path is at most N deep), whatever the tree set.
+        # A step emits at most N + 1 tokens (a path is at most N deep), whatever the tree set; its report has
+        # a column for every node of the tables' padded depth (at least MIN_SIZE) and the root.
         layers = self.model.config.get_text_config().num_hidden_layers  # a multimodal model: its text model's
         # Whole key blocks of FlexAttention's size, so that a step may attend over the whole buffer; with
         # FlexAttention, whole pieces of MIN_CHUNK slots, so that a step may split the buffer into pieces.
         unit = MIN_CHUNK if self.lm.flex else BLOCK
         slots = -(-(self.capacity + rows) // unit) * unit
-        return DecodeState(layers, batch_size, slots, n_prompt, t.top_k if t else 0, n_prompt + 1, MAX_EOS_IDS,
-                           self.device)
+        return DecodeState(layers, batch_size, slots, n_prompt, t.top_k if t else 0, max(n_prompt, MIN_SIZE) + 1,
+                           MAX_EOS_IDS, self.device)
 
     def with_trees(self, trees: TreeSet) -> "Decoder":
         """A decoder of the same model, prompt tokens, EOS ids and cache size over another tree set (at every

@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from ppd import CaptureMode, DecodeConfig, Decoder
+from ppd import CaptureMode, DecodeConfig, Decoder, Tree, TreeSet
+from ppd.decoding.tables import TreeTables
 from ppd.decoding.step import decode_step
 from tests.conftest import random_prompt_tokens, random_tree_set, tiny_model
 from tests.test_decoder import hf_greedy
@@ -53,6 +54,25 @@ def test_compiled_step_equals_eager_step_without_graph_breaks_or_recompiles():
     assert _outputs(baseline_only, requests, method="baseline", capture="compile") == eager
     sampled = dict(method="ppd", temperature=0.8, top_p=0.9, seed=5)
     assert _outputs(decoder, requests[:2], capture="compile", **sampled) == _outputs(decoder, requests[:2], **sampled)
+
+
+def test_one_compiled_tree_step_serves_tree_sets_of_every_size():
+    """Tree tables pad every dimension to at least 2, so a tree set of one path, one candidate and one prompt
+    row compiles no step of its own (torch specialises size-1 dimensions): on a GPU that was a second
+    compilation of minutes, and Inductor's cached code of one set could not serve another."""
+    torch._dynamo.reset()
+    model = tiny_model(seed=22)
+    tokens = random_prompt_tokens(model, 3, 1, seed=22)
+    single = TreeSet(3, 6, {key: Tree(((0,),), (1,), 1) for key in (1, 2, 3)})
+    tables = TreeTables.build(single, 1, "ensemble")
+    assert min(tables.num_candidates, tables.retrieve_indices.shape[1], tables.prompt_index.shape[1]) == 2
+    requests = _requests(model.config.vocab_size, 22, 3)
+    for trees in (random_tree_set(seed=22, size=14), single):
+        # Unpacked weights, as on a GPU (MKL's packed weights serve one row count, so a CPU float32 step
+        # compiles per tree size whatever the padding).
+        decoder = Decoder(model, tokens, trees, max_seq_len=200, packed_weights=False)
+        assert _outputs(decoder, requests, capture="compile") == _outputs(decoder, requests, capture="eager")
+    assert _compiled_variants() == 1
 
 
 def test_rows_of_a_batch_stop_on_the_device_at_their_own_steps():

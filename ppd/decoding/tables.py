@@ -20,6 +20,9 @@ from ..config import AttentionType
 from ..tree import TreeBuffers, TreeSet
 
 
+MIN_SIZE = 2  # the least padded size of every tree dimension (see ``TreeTables.build``)
+
+
 @dataclass
 class TreeTables:
     num_prompt_tokens: int  # N
@@ -52,11 +55,15 @@ class TreeTables:
         per_key = [TreeBuffers.build(trees.trees[key], key, n, num_ensemble, attention_type, top_k)
                    for key in range(1, n + 1)]
         per_key = [per_key[0]] + per_key  # index 0 repeats key 1
-        C = max(b.num_nodes for b in per_key) - 1
-        prompt_rows = max(b.num_rows - b.num_nodes for b in per_key)
+        # Every size the compiled step keeps symbolic is at least 2, and so is the depth (the step's emitted
+        # tokens past the root): torch specialises a dimension of size 1, so a tree set with one path (or one
+        # candidate, one prompt row, depth 1) would compile a step of its own, in each process, instead of
+        # sharing the one step (and Inductor's cached code) of every other set.
+        C = max(max(b.num_nodes for b in per_key) - 1, MIN_SIZE)
+        prompt_rows = max(max(b.num_rows - b.num_nodes for b in per_key), MIN_SIZE)
         T = 1 + C + prompt_rows
-        depth = max(b.depth for b in per_key)
-        paths = max(b.retrieve_indices.shape[0] for b in per_key)
+        depth = max(max(b.depth for b in per_key), MIN_SIZE)
+        paths = max(max(b.retrieve_indices.shape[0] for b in per_key), MIN_SIZE)
         NV = n * num_ensemble
         K1 = n + 1
 
