@@ -76,7 +76,10 @@ def test_an_end_to_end_run_on_the_cpu(tmp_path, capsys):
         assert row["error"] is None and row["context"] == 384 and row["reference"] == "baseline"
         assert 384 - 8 - long_context.SLACK <= row["prompt_tokens_min"] <= row["prompt_tokens_max"] <= 384 - 8
         assert batch <= row["new_tokens"] <= 8 * batch
-        assert 0 < row["prefill_s"] < row["wall_time_s"] and row["tokens_per_s"] > 0
+        assert row["prefill_s"] > 0 and row["tokens_per_s"] > 0
+        if method != "hf_static":  # read back within the same run; hf_static's is a run of its own, whose
+            assert row["prefill_s"] < row["wall_time_s"]  # time on a loaded machine may exceed the whole run's
+        assert row["decode_tokens_per_s"] is None or row["decode_tokens_per_s"] > 0
         assert row["peak_memory_bytes"] is None  # no GPU
         assert row["identical_to_reference"] == 1.0, (batch, method)
         assert (row["steps"] is None) == (method == "hf_static")
