@@ -103,8 +103,7 @@ def run(args: argparse.Namespace) -> tuple[dict, PartialRun]:
                                                ) / batch
             row["speedup"] = row["tokens_per_s"] / baseline
         partial.add(rows, header)
-    order = {batch: i for i, batch in enumerate(args.batch_sizes)}
-    rows = sorted((r for r in partial.rows if r["batch_size"] in order), key=lambda r: order[r["batch_size"]])
+    rows = [r for batch in args.batch_sizes for r in partial.measured(batch_size=batch)]
     return {**header, "rows": rows}, partial
 
 
