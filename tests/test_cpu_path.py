@@ -7,7 +7,7 @@ from torch import nn
 from ppd import DecodeConfig, Decoder, eos_ids_of
 from ppd.chat import chat_input_ids
 from ppd.adapter import AdapterFiles
-from ppd.decoding.packed_linear import PackedLinear, pack_linears, packing_available
+from ppd.decoding.packed_linear import PackedLinear, ensure_packed, pack_linears, packing_available
 from ppd.models import cpu_has_native_bf16, resolve_dtype
 
 from .conftest import random_prompt_tokens, random_tree_set, tiny_model
@@ -39,6 +39,25 @@ def test_packed_linear_matches_linear_and_leaves_other_row_counts_exact():
     packed(x).sum().backward()
     assert x.grad is not None and linear.weight.grad is not None
     assert "packed_rows=[6]" in repr(packed)
+
+
+@needs_mkl
+def test_a_model_keeps_a_bounded_number_of_packed_row_counts_the_most_recently_used():
+    model = tiny_model("llama", seed=2)
+    layers = pack_linears(model)
+    for rows in (3, 5, 7):
+        ensure_packed(layers, rows, limit=3)
+    ensure_packed(layers, 3, limit=3)  # used again: now 5 is the oldest
+    ensure_packed(layers, 9, limit=3)
+    assert all(sorted(layer.packs) == [3, 7, 9] for layer in layers)
+    ensure_packed(layers, 11, limit=3)
+    assert all(sorted(layer.packs) == [3, 9, 11] for layer in layers)
+    assert all(sorted(layer.last_used) == [3, 9, 11] for layer in layers[-1:])
+    # An unpacked count runs the plain product, bit for bit; a packed one agrees within rounding.
+    x = torch.randn(7, layers[0].in_features)
+    with torch.no_grad():
+        assert torch.equal(layers[0](x), nn.functional.linear(x, layers[0].weight, layers[0].bias))
+        torch.testing.assert_close(layers[0](x[:3]), nn.functional.linear(x[:3], layers[0].weight, layers[0].bias))
 
 
 @needs_mkl

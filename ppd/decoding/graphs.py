@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import CaptureMode
-from .packed_linear import PackedLinear
+from .packed_linear import PackedLinear, ensure_packed
 from .state import DecodeState
 from .step import LanguageModel, StepKind, decode_step
 from .tables import TreeTables
@@ -159,13 +159,11 @@ class StepRunner:
             self._call(tables, prompt_embeds, state, kind, width)
 
     def pack_for(self, tables: TreeTables | None, state: DecodeState) -> None:
-        """Pack the weights for the rows of this step's forward (every batch row's tree rows), once per count.
-        One row runs with the plain weights, which are as fast there."""
+        """Have the weights packed for the rows of this step's forward (every batch row's tree rows). One row runs
+        with the plain weights, which are as fast there."""
         rows = state.batch_size * (tables.num_rows if tables is not None else 1)
-        # The layers are packed in order, so the last one has this count only once every layer has it.
-        if rows > 1 and self.packed and rows not in self.packed[-1].packs:
-            for layer in self.packed:
-                layer.pack(rows)
+        if rows > 1:
+            ensure_packed(self.packed, rows)
 
     def prepare(self, tables, prompt_embeds, state: DecodeState, kind: StepKind, widths: list[int]) -> None:
         """Do ahead of time what the first steps of this kind would do: capture a graph for every width, or,
