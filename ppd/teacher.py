@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .decoding.kv_cache import cache_keyword, returned_cache
 from .decoding.step import LanguageModel
 
 logger = logging.getLogger(__name__)
@@ -76,11 +77,12 @@ def teacher_topk(model, sequences: list[list[int]], num_prompt_tokens: int, top_
 
     tokens, top_ids, top_logprobs = [], [], []
     cache = None
+    keyword = cache_keyword(model)
     step_ids, step_positions = input_ids, position_ids
     for step in range(num_prompt_tokens + 1):
         out = model(input_ids=step_ids, attention_mask=attention_mask, position_ids=step_positions,
-                    past_key_values=cache, use_cache=True, **extra)
-        cache = out.past_key_values
+                    use_cache=True, **{keyword: cache}, **extra)
+        cache = returned_cache(out)
         logprobs = torch.log_softmax(out.logits[:, -1].float(), dim=-1)
         next_token = logprobs.argmax(dim=-1)
         tokens.append(next_token)

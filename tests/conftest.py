@@ -101,21 +101,47 @@ def random_tree_set(seed: int, n_prompt: int = 3, top_k: int = 6, size: int = 12
     return TreeSet(n_prompt, top_k, trees)
 
 
+_SESSION_MODELS: list = []  # models shared by the whole session, whose derived data a module's end drops
+
+
 @pytest.fixture(scope="session")
 def real_model():
     """The embedded default model (SmolLM2-135M-Instruct), float32 on CPU."""
     from ppd import load_model
 
     model, tokenizer, info = load_model("smollm2-135m-instruct", device="cpu", dtype="float32")
+    _SESSION_MODELS.append(model)
     return model, tokenizer, info
+
+
+def _release_freed_memory() -> None:
+    """Hand the C heap's free pages back to the system (glibc keeps large freed blocks for reuse, so one test's
+    peak would otherwise stay resident for the rest of the session)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_steps():
-    """Drop what torch.compile kept for the steps of a test module once it is done: the compiled variants of
-    every module's decoders otherwise stay alive for the whole session (with the caches they were traced on)
-    and the suite's peak memory grew to about 22 GB of this 24 GiB machine."""
+    """Drop what a test module left behind once it is done: the compiled variants of every module's decoders
+    (with the caches they were traced on), the weights the shared real model packed for the row counts that
+    module's decoders ran (``ppd.decoding.packed_linear``; up to 770 MB each), and the heap's free pages.
+    Without this the suite's peak memory grew past this 24 GiB machine."""
     yield
     import gc
+
+    from ppd.decoding.packed_linear import PackedLinear
+
     torch._dynamo.reset()
+    for model in _SESSION_MODELS:
+        for layer in model.modules():
+            if isinstance(layer, PackedLinear):
+                for rows in list(layer.packs):
+                    layer.unpack(rows)
     gc.collect()
+    _release_freed_memory()

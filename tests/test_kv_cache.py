@@ -1,13 +1,35 @@
+import warnings
+
 import torch
+from torch import nn
 from transformers import DynamicCache
 
 from ppd.attention import step_mask, to_additive
-from ppd.decoding.kv_cache import KVBuffer
+from ppd.decoding.kv_cache import KVBuffer, cache_keyword, returned_cache
 from tests.conftest import tiny_model
 
 
 def _write(buffer, layer, values, slots, rows=None):
     return buffer.view(slots, int(slots.max()) + 1, rows).update(values, values.clone() + 0.5, layer)
+
+
+def test_the_cache_goes_by_the_keyword_the_installed_transformers_names_without_a_deprecation():
+    class Old(nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None):
+            return input_ids
+
+    assert cache_keyword(Old()) == "past_key_values"
+    model = tiny_model("llama", seed=4)
+    keyword = cache_keyword(model)
+    assert keyword == cache_keyword(model.base_model) and keyword in ("cache", "past_key_values")
+    ids = torch.tensor([[1, 2, 3]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        first = model(input_ids=ids, use_cache=True, **{keyword: DynamicCache()})
+        cache = returned_cache(first)
+        assert cache is not None and cache.get_seq_length() == 3
+        again = model(input_ids=torch.tensor([[4]]), use_cache=True, **{keyword: cache})
+    assert returned_cache(again).get_seq_length() == 4
 
 
 def test_compaction_moves_accepted_entries_of_every_layer_per_row():

@@ -21,8 +21,23 @@ committed length hold stale entries; the decoder's masks never let attention see
 
 from __future__ import annotations
 
+import inspect
+
 import torch
+from torch import nn
 from transformers.cache_utils import Cache
+
+
+def cache_keyword(model: nn.Module) -> str:
+    """The keyword ``model``'s forward takes its KV cache by: ``cache`` where transformers renamed it (5.24 warns
+    on ``past_key_values`` and 5.40 drops it), else ``past_key_values`` (earlier releases, remote code)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def returned_cache(output) -> Cache | None:
+    """The KV cache a transformers forward returned, under either name (see :func:`cache_keyword`)."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else getattr(output, "past_key_values", None)
 
 
 class KVBuffer:

@@ -17,6 +17,7 @@ import torch
 
 from ..config import CaptureMode, DecodeConfig, DecodeMethod
 from ..prefill import average_copies, build_prefill
+from .kv_cache import cache_keyword
 from .graphs import StepRunner, captures_graphs, resolve_mode
 from .state import LENGTH, MAX_LENGTH, REASONS, REPORT_HEAD, DecodeState
 from .step import StepKind, next_tokens, start_rows
@@ -188,7 +189,7 @@ def prefill(decoder: "Decoder", batch: list[list[int]], state: DecodeState, use_
     if hooks is not None:
         hooks.set(inputs.prompt_rows, decoder.lm.offset_table)
     out = decoder.model(inputs_embeds=inputs.embeds, attention_mask=inputs.mask, position_ids=inputs.positions,
-                        past_key_values=state.kv.view(slots, width, rows=n), use_cache=True,
+                        use_cache=True, **{cache_keyword(decoder.model): state.kv.view(slots, width, rows=n)},
                         logits_to_keep=inputs.keep)
     if hooks is not None:
         hooks.set(None, None)

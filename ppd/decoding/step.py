@@ -27,6 +27,7 @@ from ..config import DecodeConfig
 from ..deep_prompts import LayerOffsets
 from ..prefill import average_copies
 from .state import EOS, REPORT_HEAD, RUNNING, DecodeState
+from .kv_cache import cache_keyword
 from .support import LogitTransform, UnsupportedModelError, checked_transform, refuse_by_design
 from . import tree_attention
 from .tables import TreeTables
@@ -56,6 +57,7 @@ class LanguageModel:
     offset_table: torch.Tensor | None = None
     query_group: int = 1  # query heads per key head (FlexAttention's block masks lay their rows out by it)
     key_heads: int = 1  # key heads of an attention layer (a split FlexAttention step makes heads of its pieces)
+    cache_key: str = "past_key_values"  # the keyword the body takes its KV cache by (``kv_cache.cache_keyword``)
 
     @classmethod
     def of(cls, model) -> "LanguageModel":
@@ -68,7 +70,8 @@ class LanguageModel:
         if body is model:
             raise UnsupportedModelError(f"{type(model).__name__} exposes no base model under its head: not a "
                                         "causal LM as transformers builds them")
-        lm = cls(model.get_input_embeddings(), body, model.get_output_embeddings(), layers)
+        lm = cls(model.get_input_embeddings(), body, model.get_output_embeddings(), layers,
+                 cache_key=cache_keyword(body))
         text = model.config.get_text_config()
         heads = getattr(text, "num_attention_heads", None) or 1
         lm.query_group = max(heads // (getattr(text, "num_key_value_heads", None) or heads), 1)
@@ -203,7 +206,7 @@ def tree_decoding(lm: LanguageModel, state: DecodeState, rows: Candidates, slot_
     if lm.offsets is not None:
         lm.offsets.set(rows.prompt_rows, lm.offset_table)
     hidden = lm.body(inputs_embeds=rows.embeds, attention_mask=lm.layers.pack(masks), position_ids=positions,
-                     past_key_values=state.kv.view(slots, slot_ids.shape[0]), use_cache=True).last_hidden_state
+                     use_cache=True, **{lm.cache_key: state.kv.view(slots, slot_ids.shape[0])}).last_hidden_state
     if lm.offsets is not None:
         lm.offsets.set(None, None)
     return hidden

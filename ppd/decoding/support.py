@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import LayerAttention, to_additive, within_window
-from .kv_cache import KVBuffer
+from .kv_cache import KVBuffer, cache_keyword
 
 PROBE_TOKENS = 8
 # How far the probe's logits may be from the model's own (float32 or wider, 16-bit): per token, the mean
@@ -206,7 +206,7 @@ def _ppd_forwards(model, lm, ids: torch.Tensor, transform: LogitTransform) -> tu
     keep = torch.nonzero(real).flatten()
     slots = torch.arange(n + 1, device=device)[None]
     out = model(inputs_embeds=embeds, attention_mask=_masks(layers, allowed, positions, positions, embeds.dtype),
-                position_ids=positions[None], past_key_values=cache.view(slots, n + 1), use_cache=True,
+                position_ids=positions[None], use_cache=True, **{cache_keyword(model): cache.view(slots, n + 1)},
                 logits_to_keep=keep)
     if out.logits.shape[1] != keep.shape[0]:
         raise UnsupportedModelError(f"{type(model).__name__} ignores logits_to_keep (asked for {keep.shape[0]} "
@@ -221,7 +221,7 @@ def _ppd_forwards(model, lm, ids: torch.Tensor, transform: LogitTransform) -> tu
     hidden = lm.body(inputs_embeds=step_embeds, attention_mask=_masks(layers, step_allowed, step_positions,
                                                                        key_positions, step_embeds.dtype),
                      position_ids=step_positions[None], use_cache=True,
-                     past_key_values=cache.view(torch.tensor([[n + 1]], device=device), n + 2)).last_hidden_state
+                     **{lm.cache_key: cache.view(torch.tensor([[n + 1]], device=device), n + 2)}).last_hidden_state
     return prefill, transform(lm.head(hidden))[0]
 
 
@@ -248,7 +248,7 @@ def tree_attention_gap(model, lm) -> str | None:
         causal = positions[:n, None] >= positions[None, :n]
         masks = _masks(layers, causal, positions[:n], positions[:n], lm.embed.weight.dtype)
         lm.body(input_ids=ids[None, :n], attention_mask=masks, position_ids=positions[None, :n],
-                         past_key_values=cache.view(positions[None, :n], n), use_cache=True)
+                         use_cache=True, **{lm.cache_key: cache.view(positions[None, :n], n)})
         one = torch.ones(1, 1, dtype=torch.bool, device=device)
         lengths = torch.tensor([n], device=device)
         offsets = torch.zeros(1, 1, dtype=torch.long, device=device)
@@ -258,7 +258,7 @@ def tree_attention_gap(model, lm) -> str | None:
             with active(model.config):
                 hidden = lm.body(inputs_embeds=lm.embed(ids[None, n:]), attention_mask=block_masks,
                                  position_ids=positions[None, n:], use_cache=True,
-                                 past_key_values=cache.view(positions[None, n:], width)).last_hidden_state
+                                 **{lm.cache_key: cache.view(positions[None, n:], width)}).last_hidden_state
         except Exception as err:  # noqa: BLE001 (any failure means the dense step must be used)
             return f"{name}'s attention layers cannot run FlexAttention through ppd: {type(err).__name__}: {err}"
     step = lm.transform(lm.head(hidden))[0, -1].float()
