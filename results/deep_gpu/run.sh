@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The deep prompt tokens (shipped since results/train/v4) on a GPU, in phases, one or more per device call:
-#   bash results/deep_gpu/run.sh check profile pick     # GPU tests; kernels per step; the bf16 batch policy
+#   bash results/deep_gpu/run.sh check profile pick     # GPU tests (compiled per test: ~9 min); kernels per step; policy
 #   bash results/deep_gpu/run.sh speed long              # decoder throughput by batch; 8K context
 # Run after staging the packages (../shared/gpu/README.md). Inductor's cache lives in /root/inductor, so a
 # later call on the same warm machine reuses what an earlier one compiled. Writes under $OUT/deep_gpu.
@@ -18,8 +18,9 @@ for phase in "$@"; do
   start=$(date +%s)
   case $phase in
     check)
-      timeout 260 python -m pytest -q -x tests/test_engine.py tests/test_batcher.py tests/test_tree_attention.py \
-        -k gpu > "$R/logs/gpu_tests.log" 2>&1; rc=$? ;;
+      timeout 540 python -m pytest -q tests/test_deep_prompts.py tests/test_engine.py tests/test_batcher.py \
+        tests/test_tree_attention.py tests/test_lossless_sampling.py -k "gpu or captured or every_step_mode" \
+        > "$R/logs/gpu_tests.log" 2>&1; rc=$? ;;
     profile)
       for b in 1 16; do
         timeout 200 python -m eval.step_profile $ENGINE --context 300 --batch_size $b --steps 32 \
