@@ -35,6 +35,9 @@ from .tree_builder import default_tree_set
 __all__ = ["Decoder", "GenerationOutput", "PromptTooLongError", "StepOutput", "eos_ids_of"]
 
 DEFAULT_MAX_SEQ_LEN = 8192
+# Cache slots a new state allocates at first; it grows as longer requests need more (``KVBuffer.reserve``), or
+# takes its whole capacity before its first captured graph.
+INITIAL_SLOTS = 512
 
 
 @dataclass
@@ -232,7 +235,7 @@ class Decoder:
         unit = MIN_CHUNK if self.lm.flex else BLOCK
         slots = -(-(self.capacity + rows) // unit) * unit
         return DecodeState(layers, batch_size, slots, n_prompt, t.top_k if t else 0, max(n_prompt, MIN_SIZE) + 1,
-                           MAX_EOS_IDS, self.device)
+                           MAX_EOS_IDS, self.device, reserved=INITIAL_SLOTS)
 
     def with_trees(self, trees: TreeSet) -> "Decoder":
         """A decoder of the same model, prompt tokens, EOS ids and cache size over another tree set (at every

@@ -81,6 +81,13 @@ def test_packing_is_skipped_where_unavailable():
     assert not any(isinstance(m, PackedLinear) for m in model.modules())
     with pytest.raises(ValueError, match="float32 model on a CPU"):
         Decoder(model, random_prompt_tokens(model), packed_weights=True)
+    if packing_available(torch.zeros(1)):  # wrapped and packed in float32, then moved to bfloat16
+        model = tiny_model("llama", seed=1)
+        ensure_packed(pack_linears(model), 5)
+        model.to(torch.bfloat16)
+        assert pack_linears(model) == []
+        assert all(not m.packs for m in model.modules() if isinstance(m, PackedLinear))
+        assert not Decoder(model, random_prompt_tokens(model)).packed
 
 
 @needs_mkl

@@ -50,6 +50,27 @@ def test_batched_ppd_equals_single_prompts():
         assert out.token_ids == hf_greedy(model, prompt, 30)
 
 
+@pytest.mark.parametrize("capture", ["eager", "compile"])
+def test_the_cache_grows_with_the_lengths_decoded_and_decodes_the_same(capture):
+    """A decoder sized for 2,048 positions allocates 512 cache slots at first and grows them as requests need
+    (at a prefill, mid-decoding), never to the whole capacity here; PPD greedy stays transformers' greedy."""
+    from ppd.decoder import INITIAL_SLOTS
+
+    model = tiny_model(seed=4, max_positions=2048)
+    decoder = Decoder(model, random_prompt_tokens(model, 3, 1, seed=4), random_tree_set(seed=2, size=12))
+    rng = random.Random(9)
+    prompts = [[rng.randrange(24) for _ in range(480)], [rng.randrange(24) for _ in range(20)]]
+    config = DecodeConfig(max_new_tokens=60, stop_on_eos=False, capture=capture)
+    out = decoder.generate(prompts, config)  # the first row's steps pass slot 512
+    state = decoder.states.allocated[-1]
+    assert INITIAL_SLOTS < state.kv.reserved < state.capacity
+    assert all(buffer.shape[2] == state.kv.reserved for buffer in state.kv.buffers())
+    assert [o.token_ids for o in out] == [hf_greedy(model, p, 60) for p in prompts]
+    long_prompt = [rng.randrange(24) for _ in range(900)]  # a new state of one row grows at its prefill
+    assert decoder.generate(long_prompt, config).token_ids == hf_greedy(model, long_prompt, 60)
+    assert max(s.kv.reserved for s in decoder.states.allocated) < decoder.states.allocated[0].capacity
+
+
 def test_eos_stops_like_autoregressive_decoding():
     model = tiny_model(seed=4)
     prompt = [1, 2, 3, 4]

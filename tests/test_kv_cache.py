@@ -32,6 +32,28 @@ def test_the_cache_goes_by_the_keyword_the_installed_transformers_names_without_
     assert returned_cache(again).get_seq_length() == 4
 
 
+def test_a_buffer_grows_on_request_keeping_its_entries_and_its_row_views():
+    buffer = KVBuffer(num_layers=2, batch_size=3, capacity=1000, reserved=100)
+    lower = buffer.rows(1, 3)
+    values = torch.arange(3 * 5, dtype=torch.float32).view(3, 1, 5, 1)
+    for layer in range(2):
+        _write(buffer, layer, values + layer, torch.arange(5).expand(3, 5))
+    assert buffer.keys[0].shape == (3, 1, 100, 1)
+    buffer.reserve(90)  # already held: nothing moves
+    kept = buffer.keys[0]
+    lower.reserve(150)  # through a view of some rows: the whole buffer grows, to twice its size
+    assert buffer.reserved == lower.reserved == 256 and buffer.keys[0] is not kept
+    for layer in range(2):
+        assert buffer.keys[layer].shape == buffer.values[layer].shape == (3, 1, 256, 1)
+        assert torch.equal(buffer.keys[layer][:, :, :5], values + layer)
+        assert torch.equal(buffer.values[layer][:, :, :5], values + layer + 0.5)
+        assert not buffer.keys[layer][:, :, 5:].any()
+    assert torch.equal(lower.keys[1], buffer.keys[1][1:3])
+    buffer.reserve(5000)  # never past the capacity
+    assert buffer.reserved == 1000 and buffer.keys[0].shape[2] == 1000
+    assert KVBuffer(num_layers=1, batch_size=1, capacity=64).reserved == 64  # all of it by default
+
+
 def test_compaction_moves_accepted_entries_of_every_layer_per_row():
     buffer = KVBuffer(num_layers=2, batch_size=2, capacity=10)
     # [B=2, H=1, T=4, D=1] with entry value = 10 * row + slot

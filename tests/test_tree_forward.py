@@ -36,6 +36,7 @@ def tree_step_rows(decoder, prompt: list[int], width: int | None = None):
             state.key.fill_(key)
             rows = generate_candidates(decoder.lm, tables, decoder.prompt_embeds(), state)
             slots = state.slot_ids[: width or state.capacity]
+            state.kv.reserve(slots.shape[0])  # as the decoder's step runner does before a step
             with decoder.lm.stepping():
                 logits = decoder.lm.logits(tree_decoding(decoder.lm, state, rows, slots))[0]
             paths = [()] + sorted(decoder.trees.trees[key].paths, key=lambda p: (len(p), p))

@@ -153,10 +153,16 @@ class StepRunner:
             kind: StepKind, width: int) -> None:
         """One step of every row of ``state``, attending over ``width`` cache slots."""
         self.pack_for(tables, state)
+        self.reserve_for(state, width)
         if self.mode in (CaptureMode.GRAPH, CaptureMode.COMPILED_GRAPH):
             self.graph(tables, prompt_embeds, state, kind, width).replay()
         else:
             self._call(tables, prompt_embeds, state, kind, width)
+
+    def reserve_for(self, state: DecodeState, width: int) -> None:
+        """Have the state's cache hold ``width`` slots, or its whole capacity where steps replay captured graphs
+        (whose buffers must never move again)."""
+        state.kv.reserve(state.kv.capacity if captures_graphs(self.mode) else width)
 
     def pack_for(self, tables: TreeTables | None, state: DecodeState) -> None:
         """Have the weights packed for the rows of this step's forward (every batch row's tree rows). One row runs
@@ -170,6 +176,7 @@ class StepRunner:
         for a compiled step without graphs, compile it (one variant serves every width). The state is left
         as it was."""
         self.pack_for(tables, state)
+        self.reserve_for(state, max(widths))
         if self.mode in (CaptureMode.GRAPH, CaptureMode.COMPILED_GRAPH):
             for width in widths:
                 self.graph(tables, prompt_embeds, state, kind, width)

@@ -1,9 +1,12 @@
 """The decoder-owned key/value cache: per-layer buffers written at given slots, compacted in place.
 
-``KVBuffer`` holds one keys and one values tensor per layer, ``[B, heads, capacity, head_dim]`` each (each
+``KVBuffer`` holds one keys and one values tensor per layer, ``[B, heads, slots, head_dim]`` each (each
 layer's keys and values with the head count and size that layer writes). They are allocated in the first
-forward and never reallocated after it, so their addresses stay fixed for CUDA-graph capture; a new
-request only resets the per-row lengths that the decoder keeps beside them.
+forward; a new request only resets the per-row lengths that the decoder keeps beside them. A buffer may
+start with fewer slots than its ``capacity`` and grow (doubling, contents copied) as the host asks for
+more before a forward (:meth:`KVBuffer.reserve`), so that a decoder sized for a long context window holds
+memory for the lengths it actually decodes; steps captured in CUDA graphs reserve the whole capacity
+first, and the buffers' addresses stay fixed from then on.
 
 Every buffer is a tensor of its own rather than a view into one tensor of all layers, and every write is
 an indexed assignment (``buffer[rows, :, slots] = ...``, an ``index_put_``). One tensor would make the
@@ -40,13 +43,18 @@ def returned_cache(output) -> Cache | None:
     return cache if cache is not None else getattr(output, "past_key_values", None)
 
 
-class KVBuffer:
-    """Keys and values of every layer; empty lists until the first write."""
+GROWTH_UNIT = 128  # a grown buffer's slot count is a multiple of this (or the capacity)
 
-    def __init__(self, num_layers: int, batch_size: int, capacity: int):
+
+class KVBuffer:
+    """Keys and values of every layer; empty lists until the first write. ``reserved`` slots (at most
+    ``capacity``, all of it by default) are allocated, or will be by the first write."""
+
+    def __init__(self, num_layers: int, batch_size: int, capacity: int, reserved: int | None = None):
         self.num_layers = num_layers
         self.batch_size = batch_size
         self.capacity = capacity
+        self.reserved = capacity if reserved is None else max(1, min(reserved, capacity))
         self.keys: list[torch.Tensor] = []  # per layer [B, H, S, D]
         self.values: list[torch.Tensor] = []
 
@@ -69,7 +77,23 @@ class KVBuffer:
                 buffers[layer] = self._like(new)
 
     def _like(self, new: torch.Tensor) -> torch.Tensor:
-        return new.new_zeros(self.batch_size, new.shape[1], self.capacity, new.shape[3])
+        return new.new_zeros(self.batch_size, new.shape[1], self.reserved, new.shape[3])
+
+    def reserve(self, slots: int) -> None:
+        """Have at least ``slots`` slots (at most the capacity) allocated: grow every buffer to the larger of
+        ``slots`` and twice its size, rounded up to :data:`GROWTH_UNIT`, copying what it holds. Host side
+        only, before a forward: a compiled step sees the grown buffers as inputs of a new size, and a captured
+        graph must be captured after its state reserved the whole capacity."""
+        slots = min(slots, self.capacity)
+        if slots <= self.reserved:
+            return
+        grown = min(self.capacity, -(-max(slots, 2 * self.reserved) // GROWTH_UNIT) * GROWTH_UNIT)
+        for buffers in (self.keys, self.values):
+            for layer, old in enumerate(buffers):
+                new = old.new_zeros(old.shape[0], old.shape[1], grown, old.shape[3])
+                new[:, :, : old.shape[2]] = old
+                buffers[layer] = new
+        self.reserved = grown
 
     def buffers(self) -> list[torch.Tensor]:
         return self.keys + self.values
@@ -102,6 +126,13 @@ class KVRows(KVBuffer):
     def __init__(self, parent: KVBuffer, start: int, stop: int):  # noqa: super() not called: no own buffers
         self.parent, self.start, self.stop = parent, start, stop
         self.num_layers, self.capacity, self.batch_size = parent.num_layers, parent.capacity, stop - start
+
+    @property
+    def reserved(self) -> int:
+        return self.parent.reserved
+
+    def reserve(self, slots: int) -> None:
+        self.parent.reserve(slots)
 
     @property
     def keys(self) -> list[torch.Tensor]:

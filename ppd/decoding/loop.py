@@ -184,6 +184,7 @@ def prefill(decoder: "Decoder", batch: list[list[int]], state: DecodeState, use_
     table = pt().detach() if use_ppd else None
     inputs = build_prefill(decoder.model, batch, table, n_prompt, V, attention)
     width = inputs.width
+    state.kv.reserve(width)
     slots = torch.arange(width, device=state.device)[None].expand(n, -1)
     hooks = decoder.lm.offsets
     if hooks is not None:

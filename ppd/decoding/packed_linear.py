@@ -118,12 +118,17 @@ def pack_linears(model: nn.Module) -> list[PackedLinear]:
     """Wrap every plain :class:`torch.nn.Linear` of ``model`` (the LM head included; not a subclass, which has
     a forward of its own) in a :class:`PackedLinear`, in place, and return them all; layers wrapped by an
     earlier call are returned as they are. Returns an empty list, changing nothing, where packing is not
-    available (not a float32 CPU model, or no MKL)."""
+    available (not a float32 CPU model, or no MKL); layers wrapped before the model moved to another dtype or
+    device drop their packs and run the plain product."""
     found: list[PackedLinear] = []
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, PackedLinear):
-                found.append(child)
+                if packing_available(child.weight):
+                    found.append(child)
+                else:
+                    for rows in list(child.packs):
+                        child.unpack(rows)
             elif type(child) is nn.Linear and packing_available(child.weight):  # e.g. not an MoE router
                 wrapped = PackedLinear(child)
                 setattr(module, name, wrapped)
