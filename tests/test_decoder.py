@@ -53,7 +53,8 @@ def test_batched_ppd_equals_single_prompts():
 @pytest.mark.parametrize("capture", ["eager", "compile"])
 def test_the_cache_grows_with_the_lengths_decoded_and_decodes_the_same(capture):
     """A decoder sized for 2,048 positions allocates 512 cache slots at first and grows them as requests need
-    (at a prefill, mid-decoding), never to the whole capacity here; PPD greedy stays transformers' greedy."""
+    (at a prefill, mid-decoding), never to the whole capacity here; PPD greedy stays transformers' greedy, and
+    the compiled step, whose cache size is symbolic, is not compiled again when the cache grows."""
     from ppd.decoder import INITIAL_SLOTS
 
     model = tiny_model(seed=4, max_positions=2048)
@@ -61,7 +62,16 @@ def test_the_cache_grows_with_the_lengths_decoded_and_decodes_the_same(capture):
     rng = random.Random(9)
     prompts = [[rng.randrange(24) for _ in range(480)], [rng.randrange(24) for _ in range(20)]]
     config = DecodeConfig(max_new_tokens=60, stop_on_eos=False, capture=capture)
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from ppd.decoding.step import decode_step
+
+    def variants() -> int:
+        return len(_debug_get_cache_entry_list(decode_step.__code__))
+
+    before = variants()
     out = decoder.generate(prompts, config)  # the first row's steps pass slot 512
+    assert variants() - before == (capture == "compile"), "a grown cache must not compile the step again"
     state = decoder.states.allocated[-1]
     assert INITIAL_SLOTS < state.kv.reserved < state.capacity
     assert all(buffer.shape[2] == state.kv.reserved for buffer in state.kv.buffers())
