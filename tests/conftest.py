@@ -141,7 +141,6 @@ def _free_compiled_steps():
     for model in _SESSION_MODELS:
         for layer in model.modules():
             if isinstance(layer, PackedLinear):
-                for rows in list(layer.packs):
-                    layer.unpack(rows)
+                layer.unpack_all()
     gc.collect()
     _release_freed_memory()

@@ -82,6 +82,11 @@ class PackedLinear(nn.Module):
         self.packs.pop(rows, None)
         self.last_used.pop(rows, None)
 
+    def unpack_all(self) -> None:
+        """Drop every pack (every product then uses the plain weight)."""
+        self.packs.clear()
+        self.last_used.clear()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         packed = self.packs.get(rows)
@@ -127,8 +132,7 @@ def pack_linears(model: nn.Module) -> list[PackedLinear]:
                 if packing_available(child.weight):
                     found.append(child)
                 else:
-                    for rows in list(child.packs):
-                        child.unpack(rows)
+                    child.unpack_all()
             elif type(child) is nn.Linear and packing_available(child.weight):  # e.g. not an MoE router
                 wrapped = PackedLinear(child)
                 setattr(module, name, wrapped)
