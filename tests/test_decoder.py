@@ -55,16 +55,16 @@ def test_the_cache_grows_with_the_lengths_decoded_and_decodes_the_same(capture):
     """A decoder sized for 2,048 positions allocates 512 cache slots at first and grows them as requests need
     (at a prefill, mid-decoding), never to the whole capacity here; PPD greedy stays transformers' greedy, and
     the compiled step, whose cache size is symbolic, is not compiled again when the cache grows."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
     from ppd.decoder import INITIAL_SLOTS
+    from ppd.decoding.step import decode_step
 
     model = tiny_model(seed=4, max_positions=2048)
     decoder = Decoder(model, random_prompt_tokens(model, 3, 1, seed=4), random_tree_set(seed=2, size=12))
     rng = random.Random(9)
     prompts = [[rng.randrange(24) for _ in range(480)], [rng.randrange(24) for _ in range(20)]]
     config = DecodeConfig(max_new_tokens=60, stop_on_eos=False, capture=capture)
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
-    from ppd.decoding.step import decode_step
 
     def variants() -> int:
         return len(_debug_get_cache_entry_list(decode_step.__code__))
