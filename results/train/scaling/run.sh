@@ -29,7 +29,7 @@ for phase in "$@"; do
         --output_path "$W/sd-targets" --num_prompt_tokens $N --teacher forced --dtype bfloat16 \
         --batch_tokens 131072 --max_batch_size 256 --shard_size 2048 > "$R/logs/targets.log" 2>&1 ;;
     speed)
-      [ -f "$R/train_speed_1gpu.json" ] || python -m eval.train_speed --dataset_path "$W/sd-targets" \
+      [ -f "$R/train_speed_1gpu.json" ] || CUDA_VISIBLE_DEVICES=0 python -m eval.train_speed --dataset_path "$W/sd-targets" \
         --max_steps "$STEPS" --cuts_per_forward 0 --output "$R/train_speed_1gpu.json" -- $TRAIN \
         > "$R/logs/speed_1gpu.log" 2>&1
       [ -f "$R/train_speed_2gpu.json" ] || python -m eval.train_speed --dataset_path "$W/sd-targets" \
@@ -38,7 +38,7 @@ for phase in "$@"; do
     quality)
       for gpus in 1 2; do
         out=$W/runs/e1-${gpus}gpu
-        launch="python"; [ $gpus = 2 ] && launch=$TWO
+        launch="env CUDA_VISIBLE_DEVICES=0 python"; [ $gpus = 2 ] && launch=$TWO  # one process: one GPU visible
         [ -f "$out/training_log.json" ] || $launch -m train.train --dataset_path "$W/sd-targets" --output_dir "$out" \
           $TRAIN --num_train_epochs 1 --eval_size 0.03 --per_device_eval_batch_size 16 --save_strategy no \
           > "$R/logs/quality_${gpus}gpu.log" 2>&1

@@ -34,8 +34,9 @@ for phase in "$@"; do
       [ -d "$W/sd-targets" ] || timed sd-targets $TWO -m data_gen.generate --dataset_type distillation \
         --data_path "$W/sd-cuts" --output_path "$W/sd-targets" --num_prompt_tokens $N --teacher forced \
         --dtype bfloat16 --batch_tokens 131072 --max_batch_size 256 --shard_size 2048 ;;
-    speed)  # packed cuts, the same flags, 1 process then 2
-      [ -f "$R/train_speed_1gpu.json" ] || timed speed-1gpu python -m eval.train_speed --dataset_path "$W/sd-targets" \
+    speed)  # packed cuts, the same flags, 1 process on one visible GPU (else the Trainer wraps the model in
+            # DataParallel), then 2 processes
+      [ -f "$R/train_speed_1gpu.json" ] || CUDA_VISIBLE_DEVICES=0 timed speed-1gpu python -m eval.train_speed --dataset_path "$W/sd-targets" \
         --max_steps "$STEPS" --cuts_per_forward 0 --output "$R/train_speed_1gpu.json" -- $TRAIN
       [ -f "$R/train_speed_2gpu.json" ] || timed speed-2gpu python -m eval.train_speed --dataset_path "$W/sd-targets" \
         --max_steps "$STEPS" --cuts_per_forward 0 --launcher "$TWO" --output "$R/train_speed_2gpu.json" -- $TRAIN ;;
@@ -52,3 +53,4 @@ for phase in "$@"; do
   esac
 done
 cat "$W/timings.txt" 2>/dev/null
+cp "$W/timings.txt" "$R/" 2>/dev/null; tar -C "$W" -czf "$R/logs.tgz" logs
