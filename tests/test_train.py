@@ -266,6 +266,20 @@ def test_unusable_numbers_are_refused_before_anything_loads(flag, value, message
     assert capsys.readouterr().err == f"train: error: {message}\n"
 
 
+def test_one_process_seeing_several_gpus_is_told_to_launch_one_per_gpu(tmp_path, capsys, monkeypatch):
+    from transformers import TrainingArguments
+
+    monkeypatch.setattr(TrainingArguments, "n_gpu", property(lambda self: 2))  # as on a 2-GPU host, unlaunched
+    for name in ("resolve_model", "load_dataset_for", "load_base"):
+        monkeypatch.setattr(train, name, lambda *args, **kwargs: pytest.fail("loaded before checking the GPUs"))
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--dataset_path", str(tmp_path / "data"), "--output_dir", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        "train: error: this one process sees 2 GPUs: start one process per GPU (accelerate launch --multi_gpu "
+        "--num_processes 2 -m train.train ...) or make one GPU visible (CUDA_VISIBLE_DEVICES=0)\n")
+
+
 def test_diverging_training_stops_without_saving_non_finite_tokens(tiny_setup, tmp_path, capsys):
     # A finite but absurd learning rate: the first optimizer step takes the prompt tokens to inf/NaN.
     assert run_tiny(tiny_setup, tmp_path / "run", "--learning_rate", "1e39", "--max_steps", "3",

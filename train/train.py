@@ -149,6 +149,11 @@ def check_training_arguments(args) -> None:
         value = getattr(args, name)
         if strategy == "steps" and value is not None:
             _require(positive(value), name, value, "a finite number > 0")
+    if args.n_gpu > 1:  # the Trainer would split each batch over them with nn.DataParallel, for which neither the
+        # deep prompt tokens' layer hooks nor the packed batches are made; one process per GPU is the way
+        raise ValueError(f"this one process sees {args.n_gpu} GPUs: start one process per GPU (accelerate launch "
+                         f"--multi_gpu --num_processes {args.n_gpu} -m train.train ...) or make one GPU visible "
+                         f"(CUDA_VISIBLE_DEVICES=0)")
 
 
 def make_parser():
