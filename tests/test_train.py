@@ -242,6 +242,16 @@ def run_tiny(tiny, output, *extra, dataset="data") -> int:
                        *extra])
 
 
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    """train.main fails the test if it loads a model or data (settings are checked before either)."""
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("loaded something before checking the settings")
+
+    for name in ("resolve_model", "load_dataset_for", "load_base"):
+        monkeypatch.setattr(train, name, must_not_run)
+
+
 @pytest.mark.parametrize("flag, value, message", [
     ("--learning_rate", "inf", "--learning_rate must be a finite number > 0, got inf"),
     ("--learning_rate", "nan", "--learning_rate must be a finite number > 0, got nan"),
@@ -254,24 +264,17 @@ def run_tiny(tiny, output, *extra, dataset="data") -> int:
     ("--num_prompt_tokens", "0", "--num_prompt_tokens must be at least 1, got 0"),
     ("--eval_size", "inf", "--eval_size must be a finite number >= 0, got inf"),
 ])
-def test_unusable_numbers_are_refused_before_anything_loads(flag, value, message, tmp_path, capsys, monkeypatch):
-    def must_not_run(*args, **kwargs):
-        raise AssertionError("loaded something before checking the settings")
-
-    for name in ("resolve_model", "load_dataset_for", "load_base"):
-        monkeypatch.setattr(train, name, must_not_run)
+def test_unusable_numbers_are_refused_before_anything_loads(flag, value, message, tmp_path, capsys, nothing_loads):
     with pytest.raises(SystemExit) as exit_info:
         train.main(["--dataset_path", str(tmp_path / "data"), "--output_dir", str(tmp_path / "out"), flag, value])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == f"train: error: {message}\n"
 
 
-def test_one_process_seeing_several_gpus_is_told_to_launch_one_per_gpu(tmp_path, capsys, monkeypatch):
+def test_one_process_seeing_several_gpus_is_told_to_launch_one_per_gpu(tmp_path, capsys, monkeypatch, nothing_loads):
     from transformers import TrainingArguments
 
     monkeypatch.setattr(TrainingArguments, "n_gpu", property(lambda self: 2))  # as on a 2-GPU host, unlaunched
-    for name in ("resolve_model", "load_dataset_for", "load_base"):
-        monkeypatch.setattr(train, name, lambda *args, **kwargs: pytest.fail("loaded before checking the GPUs"))
     with pytest.raises(SystemExit) as exit_info:
         train.main(["--dataset_path", str(tmp_path / "data"), "--output_dir", str(tmp_path / "out")])
     assert exit_info.value.code == 2

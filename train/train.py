@@ -126,8 +126,9 @@ class PromptTokenArguments:
 
 
 def check_training_arguments(args) -> None:
-    """Refuse the numeric ``TrainingArguments`` that cannot train, before anything is loaded: without this they
-    fail inside the optimizer after the model load (a NaN or negative learning rate) or train to NaN (inf)."""
+    """Refuse the ``TrainingArguments`` that cannot train, before anything is loaded: numbers that would fail
+    inside the optimizer after the model load (a NaN or negative learning rate) or train to NaN (inf), and one
+    process that sees several GPUs."""
     def positive(value) -> bool:
         return math.isfinite(value) and value > 0
 

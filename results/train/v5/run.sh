@@ -34,8 +34,8 @@ for phase in "$@"; do
       [ -d "$W/sd-targets" ] || timed sd-targets $TWO -m data_gen.generate --dataset_type distillation \
         --data_path "$W/sd-cuts" --output_path "$W/sd-targets" --num_prompt_tokens $N --teacher forced \
         --dtype bfloat16 --batch_tokens 131072 --max_batch_size 256 --shard_size 2048 ;;
-    speed)  # packed cuts, the same flags, 1 process on one visible GPU (else the Trainer wraps the model in
-            # DataParallel), then 2 processes
+    speed)  # packed cuts, the same flags, 1 process on one visible GPU (train.train refuses one that sees
+            # two), then 2 processes
       [ -f "$R/train_speed_1gpu.json" ] || CUDA_VISIBLE_DEVICES=0 timed speed-1gpu python -m eval.train_speed --dataset_path "$W/sd-targets" \
         --max_steps "$STEPS" --cuts_per_forward 0 --output "$R/train_speed_1gpu.json" -- $TRAIN
       [ -f "$R/train_speed_2gpu.json" ] || timed speed-2gpu python -m eval.train_speed --dataset_path "$W/sd-targets" \
@@ -45,8 +45,8 @@ for phase in "$@"; do
         --dataset_path "$W/sd-targets" --output_dir "$W/runs/deep-e$EPOCHS" $TRAIN --num_train_epochs "$EPOCHS" \
         --eval_size 0.03 --per_device_eval_batch_size 16 --logging_steps 50 --save_steps 100 \
         --resume_from_checkpoint latest ;;
-    pack)  # one archive back: the adapter, its log, the conversations (for held-out replay), logs, timings
-      tar -C "$W" -czf "$R/v5.tgz" sd logs timings.txt \
+    pack)  # one archive back: the adapter, its log, the conversations (for held-out replay); logs follow below
+      tar -C "$W" -czf "$R/v5.tgz" sd \
         $(cd "$W" && ls runs/*/prompt_tokens.safetensors runs/*/ppd_config.json runs/*/training_log.json 2>/dev/null)
       ls -la "$R" ;;
     *) echo "unknown phase $phase"; exit 2 ;;
