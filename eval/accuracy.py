@@ -19,7 +19,7 @@ import torch
 
 from ppd.cli import add_adapter_args, add_model_args, load_decoder_or_exit
 from ppd.dataset_info import PPDDatasetInfo
-from ppd.training import PromptTokenCollator, accuracy_targets, PromptTokenModel, heldout_split, rank_accuracy
+from ppd.training import PromptTokenCollator, PromptTokenModel, heldout_split, tally_held_out
 
 from .records import environment, write_json
 
@@ -37,16 +37,11 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-@torch.no_grad()
 def measure(model: PromptTokenModel, dataset, top_k: int, batch_size: int) -> torch.Tensor:
     collate = PromptTokenCollator(num_prompt_tokens=model.prompt_tokens.num_prompt_tokens)
-    tops, targets = [], []
-    for start in range(0, len(dataset), batch_size):
-        batch = collate([dataset[i] for i in range(start, min(len(dataset), start + batch_size))])
-        logits = model.batch_logits(batch)
-        tops.append(logits.topk(top_k, dim=-1).indices.cpu())
-        targets.append(accuracy_targets(batch))
-    return rank_accuracy(torch.cat(tops), torch.cat(targets))
+    batches = (collate([dataset[i] for i in range(start, min(len(dataset), start + batch_size))])
+               for start in range(0, len(dataset), batch_size))
+    return tally_held_out(model, batches, top_k, with_loss=False).rank_accuracy().float()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -206,14 +206,60 @@ def accuracy_targets(batch: dict) -> torch.Tensor:
     return source[:, 1:]
 
 
-def rank_accuracy(top_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """[N, K]: the share of examples whose target is at rank r of prompt token k's top-K.
+@dataclass
+class HeldOutTally:
+    """Sums over held-out cuts, added up batch by batch and, in a multi-process run, over processes.
 
-    ``top_ids`` [E, N, K] (most likely first), ``targets`` [E, N]. Row k is what the tree builder takes
-    as ``accuracy[k]``; its cumulative sum is the top-r accuracy.
+    ``hits[n, r]`` counts the cuts whose target sits at rank r of prompt token n's top-K; ``loss_sum`` adds
+    the cuts' own losses. Sums rather than per-batch outputs: every process may see a different number of
+    cuts (packed cuts), and a sum over disjoint shares is the same whatever the batching or process count.
     """
-    hits = (top_ids == targets[..., None]).float()  # [E, N, K]
-    return hits.mean(0)
+
+    hits: torch.Tensor  # [N, K] float64
+    cuts: int = 0
+    loss_sum: float = 0.0  # 0 when the losses were not computed
+
+    def as_tensor(self) -> torch.Tensor:
+        """One float64 vector (for a cross-process sum): hits, then cuts, then the loss sum."""
+        return torch.cat([self.hits.flatten(), self.hits.new_tensor([self.cuts, self.loss_sum])])
+
+    @classmethod
+    def from_tensor(cls, values: torch.Tensor, shape: tuple[int, int]) -> "HeldOutTally":
+        values = values.double().cpu()
+        return cls(values[:-2].reshape(shape), int(values[-2]), float(values[-1]))
+
+    def rank_accuracy(self) -> torch.Tensor:
+        """[N, K]: the share of cuts whose target is at rank r of prompt token n's top-K. Row n is what the
+        tree builder takes as ``accuracy[n]``; its cumulative sum is the top-r accuracy."""
+        return self.hits / max(self.cuts, 1)
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        """``{prefix}_loss`` (the mean over cuts) and each prompt token's top-1 and top-5 accuracy."""
+        cumulative = self.rank_accuracy().cumsum(-1)
+        metrics = {f"{prefix}_loss": self.loss_sum / max(self.cuts, 1)}
+        for n in range(cumulative.shape[0]):
+            metrics[f"{prefix}_top1_token{n + 1}"] = round(float(cumulative[n, 0]), 5)
+            metrics[f"{prefix}_top5_token{n + 1}"] = round(float(cumulative[n, min(4, cumulative.shape[1] - 1)]), 5)
+        return metrics
+
+
+@torch.no_grad()
+def tally_held_out(model: PromptTokenModel, batches, top_k: int, with_loss: bool = True) -> HeldOutTally:
+    """The ranks of each cut's targets (:func:`accuracy_targets`) in the prompt tokens' top-``top_k``, and the
+    summed loss (``with_loss``), over ``batches`` from :class:`PromptTokenCollator`."""
+    n = model.prompt_tokens.config.num_prompt_tokens
+    tally = HeldOutTally(torch.zeros(n, top_k, dtype=torch.float64))
+    for batch in batches:
+        logits = model.batch_logits(batch)
+        targets = accuracy_targets(batch).to(logits.device)
+        hits = logits.topk(top_k, dim=-1).indices == targets[..., None]  # [C, N, K]
+        tally.hits += hits.sum(0).double().cpu()
+        tally.cuts += hits.shape[0]
+        if with_loss:
+            losses = model.loss(logits, batch.get("labels"), batch.get("teacher_topk_ids"),
+                                batch.get("teacher_topk_logprobs"), per_example=True)
+            tally.loss_sum += float(losses.double().sum())
+    return tally
 
 
 def heldout_split(dataset, eval_size: float, seed: int):

@@ -26,12 +26,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def datasets_dir(tmp_path_factory):
-    """A truncated and a distillation dataset of short real ShareGPT examples."""
+    """A truncated and a distillation dataset of short real ShareGPT examples, and a truncated one with 4 cuts
+    per conversation (``cuts4``)."""
     root = tmp_path_factory.mktemp("train-data")
     common = ["--max_samples", "240", "--model_max_length", "96", "--shard_size", "240"]
     assert generate.main(["--dataset_type", "finetune", "--output_path", str(root / "ft"), *common]) == 0
     assert generate.main(["--dataset_type", "distillation", "--data_path", str(root / "ft"), "--top_k", "20",
                           "--output_path", str(root / "distill"), "--shard_size", "240"]) == 0
+    assert generate.main(["--dataset_type", "finetune", "--output_path", str(root / "cuts4"), "--max_samples", "60",
+                          "--model_max_length", "96", "--cuts_per_conversation", "4", "--shard_size", "60"]) == 0
     return root
 
 
@@ -90,11 +93,9 @@ def test_resume_from_a_checkpoint_equals_an_uninterrupted_run(datasets_dir, tmp_
     torch.testing.assert_close(resumed, full, atol=1e-6, rtol=0)
 
 
-def test_packed_cuts_train_every_cut_of_a_conversation(tmp_path):
-    data = tmp_path / "cuts4"
-    assert generate.main(["--dataset_type", "finetune", "--output_path", str(data), "--max_samples", "60",
-                          "--model_max_length", "96", "--cuts_per_conversation", "4", "--shard_size", "60"]) == 0
-    log = run_train(tmp_path, tmp_path / "run", "--max_steps", "4", "--trainer_type", "cross_entropy",
+def test_packed_cuts_train_every_cut_of_a_conversation(datasets_dir, tmp_path):
+    data = datasets_dir / "cuts4"
+    log = run_train(datasets_dir, tmp_path / "run", "--max_steps", "4", "--trainer_type", "cross_entropy",
                     "--eval_size", "5", dataset="cuts4")
     rows = len(datasets.load_from_disk(str(data)))
     assert log["dataset"]["train_examples"] + log["dataset"]["eval_examples"] == rows
@@ -188,18 +189,31 @@ def test_base_adapter_is_merged_before_training(tmp_path):
     assert all(not p.requires_grad for p in merged.parameters())
 
 
-def test_two_processes_with_accelerate(datasets_dir, tmp_path):
+def test_two_processes_with_accelerate_evaluate_as_one(datasets_dir, tmp_path):
+    # Packed cuts: the two processes' batches hold different numbers of cuts (what stalled the Trainer's own
+    # evaluation loop under NCCL), and 11 held-out conversations do not split evenly over two processes.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    flags = ["--trainer_type", "cross_entropy", "--eval_size", "11", "--per_device_eval_batch_size", "3",
+             "--seed", "0"]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "train.train",
-           "--dataset_path", str(datasets_dir / "distill"), "--output_dir", str(tmp_path / "ddp"),
-           "--per_device_train_batch_size", "2", "--max_steps", "3", "--eval_size", "16", "--learning_rate", "1e-2",
-           "--dataloader_pin_memory", "false"]
+           "--dataset_path", str(datasets_dir / "cuts4"), "--output_dir", str(tmp_path / "ddp"),
+           "--per_device_train_batch_size", "2", "--max_steps", "3", "--learning_rate", "1e-2",
+           "--dataloader_pin_memory", "false", *flags]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = json.loads((tmp_path / "ddp" / "training_log.json").read_text())
     assert log["world_size"] == 2 and log["train_metrics"]["train_samples_per_second"] > 0
-    assert log["final_eval"]["eval_loss"] > 0 and (tmp_path / "ddp" / "prompt_tokens.safetensors").exists()
+    assert (tmp_path / "ddp" / "prompt_tokens.safetensors").exists()
+    # The evaluation before training depends only on the initial prompt tokens: one process gives the same
+    # figures, over every held-out cut counted once.
+    alone = run_train(datasets_dir, tmp_path / "one", "--max_steps", "1", *flags, dataset="cuts4")
+    cuts = log["dataset"]["eval_examples"]
+    assert cuts > 11 and log["initial_eval"]["initial_examples"] == alone["initial_eval"]["initial_examples"] == cuts
+    assert log["final_eval"]["eval_examples"] == cuts and len(log["rank_accuracy"]) == 3
+    for key, value in alone["initial_eval"].items():
+        if not key.endswith("runtime"):
+            assert log["initial_eval"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
 
 
 @pytest.fixture(scope="module")

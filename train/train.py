@@ -242,7 +242,7 @@ def load_base(model_args: ModelArguments, device: torch.device, gradient_checkpo
 def main(argv: list[str] | None = None) -> int:
     from transformers.trainer_utils import get_last_checkpoint
 
-    from .trainer import NonFiniteError, PromptTokenTrainer, accuracy_metrics, check_finite
+    from .trainer import NonFiniteError, PromptTokenTrainer, check_finite
 
     argv = translate_reference_flags(sys.argv[1:] if argv is None else list(argv))
     if not torch.cuda.is_available():
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     model = PromptTokenModel(base, prompt_tokens, pt_args.objective, pt_args.loss_decay)
     trainer = PromptTokenTrainer(
         model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-        data_collator=PromptTokenCollator(num_prompt_tokens=pt_args.num_prompt_tokens), compute_metrics=accuracy_metrics,
+        data_collator=PromptTokenCollator(num_prompt_tokens=pt_args.num_prompt_tokens),
     )
     resume = training_args.resume_from_checkpoint
     if resume in ("latest", "true", "True"):
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     final, ranks = {}, None
     if eval_dataset is not None:
         final = trainer.evaluate()
-        ranks = trainer.rank_table(eval_dataset)
+        ranks = trainer.last_rank_accuracy
 
     if trainer.is_world_process_zero():
         output = Path(training_args.output_dir)

@@ -1,9 +1,12 @@
 """``transformers.Trainer`` for prompt tokens: held-out top-k accuracy, adapters beside every checkpoint.
 
-Evaluation reports, for each prompt token, how often the teacher's greedy token (the ground-truth token
-for a dataset without a teacher) is the student's top-1 and in its top-5; the full rank table is kept
-for building trees. Each checkpoint folder also holds the adapter in the decoder's format, so any
-checkpoint can be decoded with directly.
+Evaluation reports the held-out loss (the mean over cuts) and, for each prompt token, how often the
+teacher's greedy token (the ground-truth token for a dataset without a teacher) is the student's top-1 and
+in its top-5; the full rank table is kept for building trees. Each process measures its own share of the
+held-out sequences and the sums are added up, so one process and several report the same figures.
+
+Each checkpoint folder also holds the adapter in the decoder's format, so any checkpoint can be decoded
+with directly.
 
 Training stops with ``NonFiniteError`` at the first non-finite loss or prompt-token value, and every save
 checks the prompt tokens first: an adapter or checkpoint never holds NaN or inf. Each checkpoint also keeps
@@ -17,6 +20,7 @@ import json
 import logging
 import math
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -24,7 +28,7 @@ from transformers import Trainer, TrainerCallback
 
 from ppd.prompt_tokens import PromptTokens, count_non_finite
 from ppd.files import atomic_write_json
-from ppd.training import accuracy_targets, rank_accuracy
+from ppd.training import HeldOutTally, tally_held_out
 
 logger = logging.getLogger("train")
 
@@ -45,17 +49,6 @@ def check_finite(prompt_tokens: PromptTokens, when: str) -> None:
                              "nothing non-finite was saved (lower --learning_rate; earlier checkpoints are intact)")
 
 
-def accuracy_metrics(prediction) -> dict:
-    """``compute_metrics`` for ``Trainer``: top-1 and top-5 accuracy of each prompt token."""
-    table = rank_accuracy(torch.as_tensor(prediction.predictions), torch.as_tensor(prediction.label_ids))
-    cumulative = table.cumsum(-1)
-    metrics = {}
-    for k in range(table.shape[0]):
-        metrics[f"top1_token{k + 1}"] = round(float(cumulative[k, 0]), 5)
-        metrics[f"top5_token{k + 1}"] = round(float(cumulative[k, min(4, table.shape[1] - 1)]), 5)
-    return metrics
-
-
 class PromptTokenTrainer(Trainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -65,6 +58,7 @@ class PromptTokenTrainer(Trainer):
         # included (None: resumed from a checkpoint without a record, so only Trainer's own mean is known).
         self.loss_sum: float | None = 0.0
         self.cuts_trained = 0  # examples (cuts) this process trained on in this call of train()
+        self.last_rank_accuracy: list[list[float]] | None = None  # [N][K] of the latest evaluate()
         self.add_callback(_GuardAndRecord(self))
 
     def training_step(self, model, inputs, *args, **kwargs):
@@ -111,21 +105,41 @@ class PromptTokenTrainer(Trainer):
         record = json.loads(path.read_text())
         self.initial_eval, self.loss_sum = record["initial_eval"], record["loss_sum"]
 
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        inputs = self._prepare_inputs(inputs)
-        core = self.accelerator.unwrap_model(model)
-        with torch.no_grad():
-            logits = core.batch_logits(inputs)
-            loss = core.loss(logits, inputs.get("labels"), inputs.get("teacher_topk_ids"),
-                             inputs.get("teacher_topk_logprobs")).detach()
-        if prediction_loss_only:
-            return loss, None, None
-        return loss, logits.topk(EVAL_TOP_K, dim=-1).indices, accuracy_targets(inputs)
+    def held_out(self, dataset) -> HeldOutTally:
+        """The tally over ``dataset``, summed over processes: each takes every world_size-th sequence, so no
+        sequence counts twice (Trainer's loop pads the last batch with repeats) and no per-batch outputs of
+        differing size are gathered (under packed cuts a batch's cut count differs between processes, and
+        NCCL stalls on an all-gather of unequal sizes)."""
+        args = self.args
+        share = torch.utils.data.Subset(dataset, range(args.process_index, len(dataset), args.world_size))
+        loader = torch.utils.data.DataLoader(share, batch_size=args.per_device_eval_batch_size,
+                                             collate_fn=self.data_collator, num_workers=args.dataloader_num_workers)
+        core = self.accelerator.unwrap_model(self.model)
+        self.callback_handler.eval_dataloader = loader  # the progress bar's length
 
-    def rank_table(self, dataset) -> list[list[float]]:
-        """[N][K] rank accuracy on ``dataset`` (for the tree builder), computed like the metrics above."""
-        output = self.predict(dataset, metric_key_prefix="ranks")
-        return rank_accuracy(torch.as_tensor(output.predictions), torch.as_tensor(output.label_ids)).tolist()
+        def batches():
+            for batch in loader:
+                yield self._prepare_inputs(batch)
+                self.control = self.callback_handler.on_prediction_step(args, self.state, self.control)
+
+        tally = tally_held_out(core, batches(), EVAL_TOP_K)
+        if args.world_size > 1:
+            total = self.accelerator.reduce(tally.as_tensor().to(args.device), reduction="sum")
+            tally = HeldOutTally.from_tensor(total, tuple(tally.hits.shape))
+        return tally
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Held-out loss and top-1/top-5 accuracy of each prompt token (every process calls this); the rank
+        table stays in ``last_rank_accuracy``."""
+        started = time.perf_counter()
+        tally = self.held_out(eval_dataset if eval_dataset is not None else self.eval_dataset)
+        self.last_rank_accuracy = tally.rank_accuracy().tolist()
+        metrics = tally.metrics(metric_key_prefix)
+        metrics[f"{metric_key_prefix}_runtime"] = round(time.perf_counter() - started, 4)
+        metrics[f"{metric_key_prefix}_examples"] = tally.cuts
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
 
 
 class _GuardAndRecord(TrainerCallback):
