@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ppd.attention import packed_layout, prefill_layout
-from ppd.training import Objective, PackedCuts, PromptTokenCollator, PromptTokenModel, heldout_split
+from ppd.training import Objective, PackedCuts, PromptTokenCollator, PromptTokenModel, column_values, heldout_split
 
 from .conftest import random_prompt_tokens, tiny_model
 
@@ -122,6 +122,9 @@ def test_held_out_split_keeps_conversations_whole():
     train, held = heldout_split(dataset, 0.2, seed=3)
     assert set(train["id"]).isdisjoint(held["id"]) and len(train) + len(held) == len(dataset)
     assert 4 <= len(set(held["id"])) <= 24
+    # A split is a view through an index mapping: its ids are read (as one array) in the split's own order.
+    assert column_values(held, "id") == list(held["id"]) and column_values(dataset, "id") == list(dataset["id"])
+    assert [held[g.start]["id"] for g in PackedCuts(held).groups] == list(dict.fromkeys(held["id"]))
     assert heldout_split(dataset, 0.2, seed=3)[1]["id"] == held["id"]
     assert heldout_split(dataset, 0.2, seed=4)[1]["id"] != held["id"]
     # The conversations themselves (one row each, some missing) hold out the same ones as their cuts.

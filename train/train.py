@@ -270,6 +270,10 @@ def main(argv: list[str] | None = None) -> int:
     # --push_to_hub publishes the finished adapter only (train.push), not the Trainer's checkpoints and logs.
     push_to = (training_args.hub_model_id or Path(training_args.output_dir).name) if training_args.push_to_hub else None
     training_args.push_to_hub = False
+    if training_args.ddp_find_unused_parameters is None:
+        # Every prompt-token value takes part in every forward: no per-step search of the autograd graph for
+        # unused ones (the Trainer's default for a model that is not a PreTrainedModel).
+        training_args.ddp_find_unused_parameters = False
     base, tokenizer, model_info = load_base(model_args, training_args.device, training_args.gradient_checkpointing)
     if pt_args.init_adapter:
         try:
