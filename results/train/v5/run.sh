@@ -45,9 +45,11 @@ for phase in "$@"; do
         --dataset_path "$W/sd-targets" --output_dir "$W/runs/deep-e$EPOCHS" $TRAIN --num_train_epochs "$EPOCHS" \
         --eval_size 0.03 --per_device_eval_batch_size 16 --logging_steps 50 --save_steps 100 \
         --resume_from_checkpoint latest ;;
-    pack)  # one archive back: the adapter, its log, the conversations (for held-out replay); logs follow below
-      tar -C "$W" -czf "$R/v5.tgz" sd \
-        $(cd "$W" && ls runs/*/prompt_tokens.safetensors runs/*/ppd_config.json runs/*/training_log.json 2>/dev/null)
+    pack)  # one archive back: the adapters (checkpoints' too: a run cut off still returns its latest), their
+           # logs, the conversations (for held-out replay); logs follow below
+      tar -C "$W" -czf "$R/v5.tgz" sd $(cd "$W" && ls runs/*/prompt_tokens.safetensors runs/*/ppd_config.json \
+        runs/*/training_log.json runs/*/checkpoint-*/{prompt_tokens.safetensors,ppd_config.json,trainer_state.json} \
+        2>/dev/null)
       ls -la "$R" ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
