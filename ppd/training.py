@@ -110,10 +110,18 @@ class PromptTokenModel(nn.Module):
             losses = cross_entropy_loss(logits, labels[:, 1:], self.decay, reduce=False)
         return losses if per_example else losses.mean()
 
+    # transformers' Trainer passes ``num_items_in_batch`` to a model that says it takes it.
+    accepts_loss_kwargs = True
+
     def forward(self, input_ids, lengths, cut_lengths=None, cut_rows=None, labels=None, teacher_token_ids=None,
-                teacher_topk_ids=None, teacher_topk_logprobs=None) -> dict:
+                teacher_topk_ids=None, teacher_topk_logprobs=None, num_items_in_batch=None) -> dict:
+        """``loss``: the mean of the cuts' losses, or, with ``num_items_in_batch`` (the cuts of the whole optimizer
+        step: every micro-batch of it, on every process), their sum divided by that count, so that gradient
+        accumulation and several processes weigh every cut alike however many cuts each batch holds."""
         logits = self.prompt_logits(input_ids, lengths, cut_lengths, cut_rows)
-        return {"loss": self.loss(logits, labels, teacher_topk_ids, teacher_topk_logprobs), "logits": logits}
+        losses = self.loss(logits, labels, teacher_topk_ids, teacher_topk_logprobs, per_example=True)
+        loss = losses.mean() if num_items_in_batch is None else losses.sum() / num_items_in_batch
+        return {"loss": loss, "logits": logits}
 
 
 TARGET_COLUMNS = ("labels", "teacher_token_ids", "teacher_topk_ids", "teacher_topk_logprobs")

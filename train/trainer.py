@@ -61,6 +61,16 @@ class PromptTokenTrainer(Trainer):
         self.last_rank_accuracy: list[list[float]] | None = None  # [N][K] of the latest evaluate()
         self.add_callback(_GuardAndRecord(self))
 
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """The micro-batches of one optimizer step, and the number of cuts in them, summed over processes when
+        the Trainer averages across devices (its default): the loss divides by it (``PromptTokenModel.forward``).
+        (Trainer's own count is of label tokens: N + 1 per cut, none in a dataset without labels.)"""
+        batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        cuts = torch.tensor(sum(int(b["cut_lengths"].numel()) for b in batch_samples), device=device)
+        if self.args.world_size > 1 and self.args.average_tokens_across_devices:
+            cuts = self.accelerator.reduce(cuts, reduction="sum")
+        return batch_samples, cuts
+
     def training_step(self, model, inputs, *args, **kwargs):
         self.cuts_trained += int(inputs["cut_lengths"].numel())
         loss = super().training_step(model, inputs, *args, **kwargs)
