@@ -116,8 +116,9 @@ class PromptTokenModel(nn.Module):
     def forward(self, input_ids, lengths, cut_lengths=None, cut_rows=None, labels=None, teacher_token_ids=None,
                 teacher_topk_ids=None, teacher_topk_logprobs=None, num_items_in_batch=None) -> dict:
         """``loss``: the mean of the cuts' losses, or, with ``num_items_in_batch`` (the cuts of the whole optimizer
-        step: every micro-batch of it, on every process), their sum divided by that count, so that gradient
-        accumulation and several processes weigh every cut alike however many cuts each batch holds."""
+        step: every micro-batch of it, and under the Trainer's default ``average_tokens_across_devices`` every
+        process), their sum divided by that count, so that gradient accumulation and several processes weigh
+        every cut alike however many cuts each batch holds."""
         logits = self.prompt_logits(input_ids, lengths, cut_lengths, cut_rows)
         losses = self.loss(logits, labels, teacher_topk_ids, teacher_topk_logprobs, per_example=True)
         loss = losses.mean() if num_items_in_batch is None else losses.sum() / num_items_in_batch
@@ -273,7 +274,7 @@ def tally_held_out(model: PromptTokenModel, batches, top_k: int, with_loss: bool
 def column_values(dataset, name: str) -> list:
     """One column of a ``datasets.Dataset`` as a list, read as one Arrow array. (``dataset[name]`` is a lazy
     column in datasets >= 4: each index or iteration step formats one row, minutes for a 200k-row dataset.)"""
-    return dataset.with_format("arrow", columns=[name])[:][name].to_pylist()
+    return dataset.with_format("arrow")[name].to_pylist()
 
 
 def heldout_split(dataset, eval_size: float, seed: int):

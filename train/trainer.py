@@ -16,6 +16,7 @@ steps so far), so a resumed run reports what an uninterrupted one would.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -65,7 +66,7 @@ class PromptTokenTrainer(Trainer):
         """The micro-batches of one optimizer step, and the number of cuts in them, summed over processes when
         the Trainer averages across devices (its default): the loss divides by it (``PromptTokenModel.forward``).
         (Trainer's own count is of label tokens: N + 1 per cut, none in a dataset without labels.)"""
-        batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        batch_samples = list(itertools.islice(epoch_iterator, num_batches))  # (fewer at the end of an epoch)
         cuts = torch.tensor(sum(int(b["cut_lengths"].numel()) for b in batch_samples), device=device)
         if self.args.world_size > 1 and self.args.average_tokens_across_devices:
             cuts = self.accelerator.reduce(cuts, reduction="sum")
@@ -138,11 +139,23 @@ class PromptTokenTrainer(Trainer):
             tally = HeldOutTally.from_tensor(total, tuple(tally.hits.shape))
         return tally
 
+    def predict(self, *args, **kwargs):
+        """Not for prompt tokens: Trainer's prediction loop gathers per-batch outputs whose size differs between
+        processes under packed cuts (NCCL then stalls) and scales the loss for training."""
+        raise NotImplementedError("PromptTokenTrainer has no predict(): use evaluate() (held-out loss and rank "
+                                  "accuracy) or `python -m eval.accuracy`")
+
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Held-out loss and top-1/top-5 accuracy of each prompt token (every process calls this); the rank
         table stays in ``last_rank_accuracy``."""
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("evaluation needs held-out data: train with --eval_size > 0")
+        if isinstance(dataset, dict):  # several named evaluation sets, as Trainer takes them
+            return {key: value for name, part in dataset.items()
+                    for key, value in self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}").items()}
         started = time.perf_counter()
-        tally = self.held_out(eval_dataset if eval_dataset is not None else self.eval_dataset)
+        tally = self.held_out(dataset)
         self.last_rank_accuracy = tally.rank_accuracy().tolist()
         metrics = tally.metrics(metric_key_prefix)
         metrics[f"{metric_key_prefix}_runtime"] = round(time.perf_counter() - started, 4)
