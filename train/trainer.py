@@ -67,13 +67,14 @@ class PromptTokenTrainer(Trainer):
         the Trainer averages across devices (its default): the loss divides by it (``PromptTokenModel.forward``).
         (Trainer's own count is of label tokens: N + 1 per cut, none in a dataset without labels.)"""
         batch_samples = list(itertools.islice(epoch_iterator, num_batches))  # (fewer at the end of an epoch)
-        cuts = torch.tensor(sum(int(b["cut_lengths"].numel()) for b in batch_samples), device=device)
+        local = sum(int(b["cut_lengths"].numel()) for b in batch_samples)
+        self.cuts_trained += local
+        cuts = torch.tensor(local, device=device)
         if self.args.world_size > 1 and self.args.average_tokens_across_devices:
             cuts = self.accelerator.reduce(cuts, reduction="sum")
         return batch_samples, cuts
 
     def training_step(self, model, inputs, *args, **kwargs):
-        self.cuts_trained += int(inputs["cut_lengths"].numel())
         loss = super().training_step(model, inputs, *args, **kwargs)
         # One read-back per micro-batch, as Trainer's own nan/inf logging filter does.
         value = loss.item()
