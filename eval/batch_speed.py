@@ -29,7 +29,7 @@ import torch
 
 from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_decoder_or_exit
 from ppd.config import DecodeConfig
-from ppd.decoding.graphs import captures_graphs, resolve_mode
+from ppd.decoding.graphs import resolve_mode
 from ppd.decoding.loop import batch_bucket
 from ppd.tree import TreeSet
 
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> tuple[dict, PartialRun]:
     device = decoder.device
     # Each batch size is written as soon as it is measured.
     partial = PartialRun(args.output, run_settings(args, device, ("batch_sizes", "output", "plot")))
-    exact = not captures_graphs(resolve_mode(args.capture, device))
+    mode = resolve_mode(args.capture, device)
     variants = {"baseline": (decoder, "baseline"), "ppd": (decoder, "ppd")}
     for name in args.trees:
         variants[f"ppd:{Path(name).name}"] = (decoder.with_trees(TreeSet.load(name)), "ppd")
@@ -82,21 +82,26 @@ def run(args: argparse.Namespace) -> tuple[dict, PartialRun]:
         outputs, rows = {}, []
         for name, (dec, method) in variants.items():
             config = DecodeConfig(method=method, max_new_tokens=args.max_new_tokens, capture=args.capture)
+            before = len(dec.captures)
             warmup = dec.warmup(batch_sizes=[batch], methods=[method], capture=args.capture)
+            # Where the warm-up went: each graph captured (the first of a step kind compiles it).
+            captures = [{"tree": c.kind.tree, "batch_size": c.batch_size, "width": c.width, "seconds": c.seconds}
+                        for c in dec.captures[before:]]
             dec.generate(inputs, DecodeConfig(method=method, max_new_tokens=8, capture=args.capture))
             start = time.perf_counter()
             outs = dec.generate(inputs, config)
             wall = time.perf_counter() - start
             tokens = sum(o.new_tokens for o in outs)
             steps = sum(o.steps for o in outs)
-            tables = dec.tables_for(batch_bucket(batch, exact)) if method == "ppd" else None
+            tables = dec.tables_for(batch_bucket(batch, dec, mode)) if method == "ppd" else None
             outputs[name] = [o.token_ids for o in outs]
             rows.append({"batch_size": batch, "variant": name, "tree_rows": tables.num_rows if tables else 1,
                          "new_tokens": tokens, "wall_time_s": wall, "tokens_per_s": tokens / wall,
-                         "accept_length": tokens / steps if steps else None, "warmup_s": warmup,
+                         "accept_length": tokens / steps if steps else None, "warmup_s": warmup, "captures": captures,
                          "max_steps": max(o.steps for o in outs)})
             print(f"batch {batch:4d} | {name} | {tokens / wall:9.1f} tokens/s | accept length "
-                  f"{tokens / max(steps, 1):.2f} | warm-up {warmup:.0f} s", file=sys.stderr)
+                  f"{tokens / max(steps, 1):.2f} | warm-up {warmup:.0f} s ({len(captures)} graphs, the slowest "
+                  f"{max((c['seconds'] for c in captures), default=0):.0f} s)", file=sys.stderr)
         baseline = next(r["tokens_per_s"] for r in rows if r["variant"] == "baseline")
         for row in rows:
             row["identical_to_baseline"] = sum(a == b for a, b in zip(outputs[row["variant"]], outputs["baseline"])

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from ppd import CaptureMode, DecodeConfig, Decoder, Tree, TreeSet
+from ppd.decoding import loop
+from ppd.decoding.graphs import compiles
 from ppd.decoding.tables import TreeTables
 from ppd.decoding.step import decode_step
 from tests.conftest import random_prompt_tokens, random_tree_set, tiny_model
@@ -73,6 +75,29 @@ def test_one_compiled_tree_step_serves_tree_sets_of_every_size():
         decoder = Decoder(model, tokens, trees, max_seq_len=200, packed_weights=False)
         assert _outputs(decoder, requests, capture="compile") == _outputs(decoder, requests, capture="eager")
     assert _compiled_variants() == 1
+
+
+def test_a_batch_of_one_runs_in_the_compiled_step_of_larger_batches(monkeypatch):
+    """On a GPU a dense compiled step never holds fewer than two rows (``loop.least_rows``), so a batch of one
+    compiles nothing of its own. The same rule on this CPU: a batch of one decodes in a two-row state with an
+    idle row, gives the eager step's tokens and steps, and batches of 1, 2 and 3 share one compiled variant per
+    step kind."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(loop, "least_rows", lambda decoder, mode: 2 if compiles(mode) else 1)
+    model = tiny_model(seed=24)
+    decoder = Decoder(model, random_prompt_tokens(model, 3, 1, seed=24, deep=True), random_tree_set(seed=24, size=14),
+                      max_seq_len=200, packed_weights=False)
+    rng = random.Random(24)
+    for size in (1, 2, 3):
+        prompts = [[rng.randrange(model.config.vocab_size) for _ in range(rng.randint(2, 30))] for _ in range(size)]
+        for method in ("ppd", "baseline"):
+            outputs = {}
+            for capture in ("eager", "compile"):
+                config = DecodeConfig(method=method, max_new_tokens=12, stop_on_eos=False, capture=capture)
+                outputs[capture] = [(o.token_ids, o.steps) for o in decoder.generate(prompts, config)]
+            assert outputs["compile"] == outputs["eager"], (size, method)
+    assert sorted(state.batch_size for state in decoder.states.allocated) == [1, 2, 3]  # eager's batch of one: 1 row
+    assert _compiled_variants() == 2
 
 
 def test_rows_of_a_batch_stop_on_the_device_at_their_own_steps():

@@ -69,6 +69,11 @@ def captures_graphs(mode: CaptureMode) -> bool:
     return mode not in (CaptureMode.EAGER, CaptureMode.COMPILE)
 
 
+def compiles(mode: CaptureMode) -> bool:
+    """Whether ``mode`` runs the step through ``torch.compile``."""
+    return mode in (CaptureMode.COMPILE, CaptureMode.COMPILED_GRAPH, CaptureMode.REDUCE_OVERHEAD)
+
+
 def compile_limits():
     """Room for one compiled step per batch bucket and step kind (torch's default stops at 8 variants)."""
     config = torch._dynamo.config
@@ -130,13 +135,17 @@ class StepRunner:
             decode_step(self.lm, tables, prompt_embeds, state, kind, slot_ids)
             return
         if not self.lm.flex:
-            # One compiled step serves every width (the length of ``slot_ids``), cache capacity and tree set
-            # (the row, candidate and path counts of its tables): those sizes are symbolic from the first
-            # compilation. A FlexAttention step always attends over the whole buffer and is compiled per tree
-            # set: Inductor (torch 2.13) fails on FlexAttention calls that share a mask over symbolic sizes.
+            # One compiled step serves every width (the length of ``slot_ids``), batch size of two or more
+            # rows (``loop.least_rows``), cache capacity and tree set (the row, candidate and path counts of its
+            # tables): those sizes are symbolic from the first compilation, not only after a second size made
+            # torch recompile. A FlexAttention step always attends over the whole buffer and is compiled per
+            # tree set: Inductor (torch 2.13) fails on FlexAttention calls that share a mask over symbolic sizes.
             torch._dynamo.maybe_mark_dynamic(slot_ids, 0)  # "maybe": a width equal to the capacity may specialise
             for buffer in state.kv.buffers():
+                torch._dynamo.maybe_mark_dynamic(buffer, 0)
                 torch._dynamo.maybe_mark_dynamic(buffer, 2)
+            for tensor in state.row_tensors():
+                torch._dynamo.maybe_mark_dynamic(tensor, 0)
             if tables is not None:
                 _mark_tree_sizes(tables, prompt_embeds)
         if self.mode is CaptureMode.REDUCE_OVERHEAD and id(state) not in self._static:
