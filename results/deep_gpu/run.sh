@@ -40,7 +40,10 @@ for phase in "$@"; do
         --output "$R/policy_pick_bfloat16.json" > "$R/logs/pick.log" 2>&1; rc=$?
       cp "$ADAPTER/policy_cuda_bfloat16.json" "$R/" ;;
     speed)
-      timeout $(left) python -m eval.batch_speed $ENGINE --batch_sizes $BATCHES --bench mt_bench --max_new_tokens 256 \
+      # (run through runpy to print torch's compile-time breakdown at exit)
+      timeout $(left) python -c 'import atexit, runpy, sys; from torch._dynamo.utils import compile_times
+atexit.register(lambda: print(compile_times(repr="str", aggregate=True), file=sys.stderr))
+sys.argv[0] = "eval.batch_speed"; runpy.run_module("eval.batch_speed", run_name="__main__")' $ENGINE --batch_sizes $BATCHES --bench mt_bench --max_new_tokens 256 \
         --max_seq_len 1024 --output "$R/batch_speed_bfloat16.json" \
         --plot "$R/batch_speed_bfloat16.png" > "$R/logs/speed.log" 2>&1; rc=$? ;;
     long)
