@@ -29,7 +29,7 @@ import torch
 
 from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_decoder_or_exit
 from ppd.config import DecodeConfig
-from ppd.decoding.graphs import resolve_mode
+from ppd.decoding.graphs import captures_graphs, resolve_mode
 from ppd.decoding.loop import batch_bucket
 from ppd.tree import TreeSet
 
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> tuple[dict, PartialRun]:
     device = decoder.device
     # Each batch size is written as soon as it is measured.
     partial = PartialRun(args.output, run_settings(args, device, ("batch_sizes", "output", "plot")))
-    mode = resolve_mode(args.capture, device)
+    exact = not captures_graphs(resolve_mode(args.capture, device))
     variants = {"baseline": (decoder, "baseline"), "ppd": (decoder, "ppd")}
     for name in args.trees:
         variants[f"ppd:{Path(name).name}"] = (decoder.with_trees(TreeSet.load(name)), "ppd")
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> tuple[dict, PartialRun]:
             wall = time.perf_counter() - start
             tokens = sum(o.new_tokens for o in outs)
             steps = sum(o.steps for o in outs)
-            tables = dec.tables_for(batch_bucket(batch, dec, mode)) if method == "ppd" else None
+            tables = dec.tables_for(batch_bucket(batch, exact)) if method == "ppd" else None
             outputs[name] = [o.token_ids for o in outs]
             rows.append({"batch_size": batch, "variant": name, "tree_rows": tables.num_rows if tables else 1,
                          "new_tokens": tokens, "wall_time_s": wall, "tokens_per_s": tokens / wall,

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import MAX_EOS_IDS, CaptureMode, DecodeConfig, StepAttention
-from .decoding.graphs import Capture, StepRunner, resolve_mode
+from .decoding.graphs import Capture, StepRunner, captures_graphs, resolve_mode
 from .decoding.loop import PromptTooLongError, batch_bucket, capture_widths, decode, whole_width
 from .decoding.packed_linear import pack_linears
 from .decoding.state import DecodeState, StatePool
@@ -281,7 +281,7 @@ class Decoder:
         use_ppd = "ppd" in methods and self.tables is not None
         method = "ppd" if use_ppd else "baseline"
         for size in batch_sizes:
-            bucket = batch_bucket(size, self, mode)
+            bucket = batch_bucket(size, exact=not captures_graphs(mode))
             tables = self.tables_for(bucket) if use_ppd else None
             # PPD runs the one-row step where the batch policy names no tree.
             kinds = ([True] if tables is not None else []) + (

@@ -69,11 +69,6 @@ def captures_graphs(mode: CaptureMode) -> bool:
     return mode not in (CaptureMode.EAGER, CaptureMode.COMPILE)
 
 
-def compiles(mode: CaptureMode) -> bool:
-    """Whether ``mode`` runs the step through ``torch.compile``."""
-    return mode in (CaptureMode.COMPILE, CaptureMode.COMPILED_GRAPH, CaptureMode.REDUCE_OVERHEAD)
-
-
 def compile_limits():
     """Room for one compiled step per batch bucket and step kind (torch's default stops at 8 variants)."""
     config = torch._dynamo.config
@@ -136,9 +131,10 @@ class StepRunner:
             return
         if not self.lm.flex:
             # One compiled step serves every width (the length of ``slot_ids``), batch size of two or more
-            # rows (``loop.least_rows``), cache capacity and tree set (the row, candidate and path counts of its
-            # tables): those sizes are symbolic from the first compilation, not only after a second size made
-            # torch recompile. A FlexAttention step always attends over the whole buffer and is compiled per
+            # rows, cache capacity and tree set (the row, candidate and path counts of its tables): those sizes
+            # are symbolic from the first compilation, not only after a second size made torch recompile
+            # (torch specialises a size of 1, so a batch of one row has a step of its own: padding it to two rows
+            # spared that compilation but made the 64-row tree step 8-10% slower on an H100 and an H200). A FlexAttention step always attends over the whole buffer and is compiled per
             # tree set: Inductor (torch 2.13) fails on FlexAttention calls that share a mask over symbolic sizes.
             torch._dynamo.maybe_mark_dynamic(slot_ids, 0)  # "maybe": a width equal to the capacity may specialise
             for buffer in state.kv.buffers():

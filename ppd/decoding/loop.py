@@ -18,7 +18,7 @@ import torch
 from ..config import CaptureMode, DecodeConfig, DecodeMethod
 from ..prefill import average_copies, build_prefill
 from .kv_cache import cache_keyword
-from .graphs import StepRunner, captures_graphs, compiles, resolve_mode
+from .graphs import StepRunner, captures_graphs, resolve_mode
 from .state import LENGTH, MAX_LENGTH, REASONS, REPORT_HEAD, DecodeState
 from .step import StepKind, next_tokens, start_rows
 from .tables import TreeTables
@@ -88,25 +88,14 @@ def capture_widths(rows: int, capacity: int, whole: bool = False) -> list[int]:
     return widths
 
 
-def least_rows(decoder: "Decoder", mode: CaptureMode) -> int:
-    """The fewest rows a state holds under ``mode``: two where a dense step is compiled for a GPU. torch
-    specialises a dimension of size 1, so a batch of one would compile every step kind a second time (100-200 s
-    each on an H100 or H200, in every process), while a second row costs such a step next to nothing (H100,
-    bf16, 300 tokens of context: the one-row step 1.62 / 1.57 ms at batch 1 / 2, the 16-row tree 2.13 / 2.13
-    ms). A FlexAttention step is compiled per batch size anyway, and at long context a second row would double
-    what it reads; a CPU step's cost grows with its rows."""
-    return 2 if compiles(mode) and decoder.device.type == "cuda" and not decoder.lm.flex else 1
-
-
-def batch_bucket(size: int, decoder: "Decoder", mode: CaptureMode) -> int:
-    """Rows a state holds for a batch of ``size`` decoded under ``mode``: the next power of two when graphs
-    are captured, and at least :func:`least_rows`."""
-    bucket = size
-    if captures_graphs(mode):
-        bucket = 1
-        while bucket < size:
-            bucket *= 2
-    return max(bucket, least_rows(decoder, mode))
+def batch_bucket(size: int, exact: bool) -> int:
+    """Rows a state holds for a batch of ``size``: the next power of two when graphs are captured."""
+    if exact:
+        return size
+    bucket = 1
+    while bucket < size:
+        bucket *= 2
+    return bucket
 
 
 def decode(decoder: "Decoder", batch: list[list[int]], config: DecodeConfig) -> Iterator[Progress]:
@@ -123,7 +112,7 @@ def decode(decoder: "Decoder", batch: list[list[int]], config: DecodeConfig) -> 
     n = len(batch)
     lengths = [len(x) for x in batch]
     decoder.check_prompt_fits(max(lengths))
-    bucket = batch_bucket(n, decoder, mode)
+    bucket = batch_bucket(n, exact)
     # The batch policy's tree for this bucket; none where the one-row step is faster at this batch size.
     tables = decoder.tables_for(bucket) if use_ppd else None
     kind = StepKind.of(tables is not None, [config])

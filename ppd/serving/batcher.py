@@ -167,7 +167,7 @@ class ContinuousBatcher:
 
     # ------------------------------------------------------------------ the batcher thread
     def _bucket(self, size: int) -> int:
-        return batch_bucket(size, self.decoder, self.mode)
+        return batch_bucket(size, self._exact)
 
     def _lane(self, method: DecodeMethod) -> "_Lane":
         if method not in self._lanes:
