@@ -50,8 +50,9 @@ from starlette.exceptions import HTTPException
 
 from ppd.chat import chat_input_ids, plain_input_ids
 from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_decoder_or_exit
-from ppd.config import DecodeConfig
+from ppd.config import CaptureMode, DecodeConfig
 from ppd.decoder import PromptTooLongError
+from ppd.decoding import graphs
 from ppd.serving import BatcherConfig, ContinuousBatcher, EngineClosedError, QueueFullError
 
 from .openai_api import (APIError, ChatCompletionRequest, CompletionRequest, chunk_object, completion_object,
@@ -434,6 +435,14 @@ def main(argv: list[str] | None = None) -> int:
     batcher = ContinuousBatcher(loaded.decoder, BatcherConfig(max_batch=args.max_batch, max_queue=args.max_queue,
                                                               capture=args.capture))
     try:
+        if batcher.mode is not CaptureMode.EAGER:
+            # Minutes on a GPU (each step kind compiled, every bucket captured): say each graph as it is made.
+            print(f"compiling and capturing the decoding steps for every batch size up to {args.max_batch}",
+                  flush=True)
+            captures = logging.getLogger(graphs.__name__)
+            captures.setLevel(logging.INFO)
+            if not captures.handlers:
+                captures.addHandler(logging.StreamHandler(sys.stderr))
         seconds = batcher.warmup()  # before the thread starts, while nothing runs (nothing to do on a CPU)
         if seconds:
             print(f"decoding steps compiled and captured in {seconds:.1f} s, for every batch size up to "

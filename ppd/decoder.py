@@ -235,7 +235,7 @@ class Decoder:
         unit = MIN_CHUNK if self.lm.flex else BLOCK
         slots = -(-(self.capacity + rows) // unit) * unit
         return DecodeState(layers, batch_size, slots, n_prompt, t.top_k if t else 0, max(n_prompt, MIN_SIZE) + 1,
-                           MAX_EOS_IDS, self.device, reserved=INITIAL_SLOTS)
+                           MAX_EOS_IDS, self.device, reserved=INITIAL_SLOTS, spare_slots=0 if self.lm.flex else 1)
 
     def with_trees(self, trees: TreeSet) -> "Decoder":
         """A decoder of the same model, prompt tokens, EOS ids and cache size over another tree set (at every

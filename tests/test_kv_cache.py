@@ -54,6 +54,20 @@ def test_a_buffer_grows_on_request_keeping_its_entries_and_its_row_views():
     assert KVBuffer(num_layers=1, batch_size=1, capacity=64).reserved == 64  # all of it by default
 
 
+def test_spare_slots_keep_every_attended_width_below_the_buffers_size():
+    """A step attends over at most ``reserved`` slots; the spare ones past them are allocated, kept through
+    growth and never handed to attention, so no width is ever the whole buffer."""
+    buffer = KVBuffer(num_layers=1, batch_size=2, capacity=300, reserved=128, spare=1)
+    values = torch.arange(2 * 4, dtype=torch.float32).view(2, 1, 4, 1)
+    keys, _ = buffer.view(torch.arange(4).expand(2, 4), 128).update(values, values + 0.5, 0)
+    assert buffer.keys[0].shape == (2, 1, 129, 1) and keys.shape[2] == 128
+    buffer.reserve(300)
+    assert buffer.reserved == 300 and buffer.keys[0].shape[2] == buffer.values[0].shape[2] == 301
+    assert torch.equal(buffer.keys[0][:, :, :4], values) and buffer.rows(0, 1).spare == 1
+    keys, _ = buffer.view(torch.arange(4, 8).expand(2, 4), 300).update(values, values + 0.5, 0)
+    assert keys.shape[2] == 300 < buffer.keys[0].shape[2]
+
+
 def test_compaction_moves_accepted_entries_of_every_layer_per_row():
     buffer = KVBuffer(num_layers=2, batch_size=2, capacity=10)
     # [B=2, H=1, T=4, D=1] with entry value = 10 * row + slot

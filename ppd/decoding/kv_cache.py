@@ -48,13 +48,19 @@ GROWTH_UNIT = 128  # a grown buffer's slot count is a multiple of this (or the c
 
 class KVBuffer:
     """Keys and values of every layer; empty lists until the first write. ``reserved`` slots (at most
-    ``capacity``, all of it by default) are allocated, or will be by the first write."""
+    ``capacity``, all of it by default) are allocated, or will be by the first write, and ``spare`` slots past
+    them that no forward attends. A spare slot keeps every width a step attends over below the buffer's size:
+    under torch 2.11 a compiled step that slices the whole buffer (width equal to its size) is a graph of its
+    own, and on an H200 the last capture width compiled the one-row and tree steps a second time (68 s and
+    120 s). FlexAttention steps, which attend over the whole buffer by design, take none."""
 
-    def __init__(self, num_layers: int, batch_size: int, capacity: int, reserved: int | None = None):
+    def __init__(self, num_layers: int, batch_size: int, capacity: int, reserved: int | None = None,
+                 spare: int = 0):
         self.num_layers = num_layers
         self.batch_size = batch_size
         self.capacity = capacity
         self.reserved = capacity if reserved is None else max(1, min(reserved, capacity))
+        self.spare = spare
         self.keys: list[torch.Tensor] = []  # per layer [B, H, S, D]
         self.values: list[torch.Tensor] = []
 
@@ -77,7 +83,7 @@ class KVBuffer:
                 buffers[layer] = self._like(new)
 
     def _like(self, new: torch.Tensor) -> torch.Tensor:
-        return new.new_zeros(self.batch_size, new.shape[1], self.reserved, new.shape[3])
+        return new.new_zeros(self.batch_size, new.shape[1], self.reserved + self.spare, new.shape[3])
 
     def reserve(self, slots: int) -> None:
         """Have at least ``slots`` slots (at most the capacity) allocated: grow every buffer to the larger of
@@ -90,7 +96,7 @@ class KVBuffer:
         grown = min(self.capacity, -(-max(slots, 2 * self.reserved) // GROWTH_UNIT) * GROWTH_UNIT)
         for buffers in (self.keys, self.values):
             for layer, old in enumerate(buffers):
-                new = old.new_zeros(old.shape[0], old.shape[1], grown, old.shape[3])
+                new = old.new_zeros(old.shape[0], old.shape[1], grown + self.spare, old.shape[3])
                 new[:, :, : old.shape[2]] = old
                 buffers[layer] = new
         self.reserved = grown
@@ -126,6 +132,7 @@ class KVRows(KVBuffer):
     def __init__(self, parent: KVBuffer, start: int, stop: int):  # noqa: super() not called: no own buffers
         self.parent, self.start, self.stop = parent, start, stop
         self.num_layers, self.capacity, self.batch_size = parent.num_layers, parent.capacity, stop - start
+        self.spare = parent.spare
 
     @property
     def reserved(self) -> int:

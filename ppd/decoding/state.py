@@ -38,11 +38,13 @@ REPORT_HEAD = 4  # count, accepted guesses, reason, length; then the emitted tok
 
 class DecodeState:
     def __init__(self, num_layers: int, batch_size: int, capacity: int, num_prompt_tokens: int, top_k: int,
-                 max_emit: int, num_eos: int, device: torch.device, reserved: int | None = None):
+                 max_emit: int, num_eos: int, device: torch.device, reserved: int | None = None,
+                 spare_slots: int = 0):
         self.batch_size = batch_size
         self.capacity = capacity
         self.device = device
-        self.kv = KVBuffer(num_layers, batch_size, capacity, reserved)  # cache slots allocated: grows to capacity
+        # Cache slots allocated: grows to capacity (plus spare slots never attended, see KVBuffer).
+        self.kv = KVBuffer(num_layers, batch_size, capacity, reserved, spare_slots)
 
         def longs(*shape):
             return torch.zeros(*shape, dtype=torch.long, device=device)
