@@ -133,9 +133,10 @@ class StepRunner:
             # One compiled step serves every width (the length of ``slot_ids``), batch size of two or more
             # rows, cache capacity and tree set (the row, candidate and path counts of its tables): those sizes
             # are symbolic from the first compilation, not only after a second size made torch recompile
-            # (torch specialises a size of 1, so a batch of one row has a step of its own: padding it to two rows
-            # spared that compilation but made the 64-row tree step 8-10% slower on an H100 and an H200). A FlexAttention step always attends over the whole buffer and is compiled per
-            # tree set: Inductor (torch 2.13) fails on FlexAttention calls that share a mask over symbolic sizes.
+            # (torch specialises a size of 1, so a batch of one row has a step of its own: padding it to two
+            # rows spared that compilation but made the 64-row tree step 8-10% slower on an H100 and an H200).
+            # A FlexAttention step always attends over the whole buffer and is compiled per tree set: Inductor
+            # (torch 2.13) fails on FlexAttention calls that share a mask over symbolic sizes.
             torch._dynamo.maybe_mark_dynamic(slot_ids, 0)  # "maybe": a width equal to the capacity may specialise
             for buffer in state.kv.buffers():
                 torch._dynamo.maybe_mark_dynamic(buffer, 0)
