@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ppd import DecodeConfig, Decoder
+from ppd.decoding import graphs
 from ppd.policy import BatchPolicy
 from ppd.serving import BatcherConfig, ContinuousBatcher, QueueFullError
 from tests.conftest import random_prompt_tokens, random_tree_set, tiny_model
@@ -71,6 +72,34 @@ def test_streamed_chunks_rebuild_the_answer_and_a_cancelled_request_frees_its_ro
             assert tokens == decoder.generate(ids, DecodeConfig(max_new_tokens=n)).token_ids
             assert got[-1][1] in ("eos", "length")
         assert batcher.running == 0
+
+
+def test_a_compiled_step_over_the_first_rows_of_the_batch_reads_only_their_cache(monkeypatch):
+    """A continuous batch steps the first rows of a state of ``max_batch`` rows. The compiled step gets the
+    cache slices of those rows as its inputs: had it taken them from the whole state's buffers itself, Inductor
+    would copy each layer's slice out and back every step (1.1 ms a step on an H200 at 64 rows)."""
+    torch._dynamo.reset()
+    inputs = []
+
+    def record(gm, example_inputs):
+        inputs.extend(x for x in example_inputs if isinstance(x, torch.Tensor))
+        return gm.forward
+
+    monkeypatch.setitem(graphs._COMPILED, None, torch.compile(graphs.decode_step, backend=record, fullgraph=True))
+    model = tiny_model(seed=3)
+    decoder = Decoder(model, random_prompt_tokens(model, 3, 1, seed=3), random_tree_set(seed=7, size=12),
+                      max_seq_len=120, packed_weights=False)
+    ids = [3, 9, 4, 12, 7, 7, 1]
+    with ContinuousBatcher(decoder, BatcherConfig(max_batch=8, capture="compile")) as batcher:
+        results = {m: batcher.submit(ids, DecodeConfig(method=m, max_new_tokens=20, stop_on_eos=False)).result(60)
+                   for m in ("ppd", "baseline")}
+    caches = [x for x in inputs if x.dim() == 4]
+    assert caches and all(x.shape[0] == 1 for x in caches), sorted({tuple(x.shape) for x in caches})
+    for method, result in results.items():
+        alone = decoder.generate(ids, DecodeConfig(method=method, max_new_tokens=20, stop_on_eos=False,
+                                                   capture="eager"))
+        assert result.token_ids == alone.token_ids
+    torch._dynamo.reset()
 
 
 def test_a_full_queue_refuses_more_requests():

@@ -129,6 +129,8 @@ class StepRunner:
         if self.mode is CaptureMode.EAGER or self.mode is CaptureMode.GRAPH:
             decode_step(self.lm, tables, prompt_embeds, state, kind, slot_ids)
             return
+        # Read eagerly: a row range's cache hands the compiled step the slices this read makes (KVRows).
+        buffers = state.kv.buffers()
         if not self.lm.flex:
             # One compiled step serves every width (the length of ``slot_ids``), batch size of two or more
             # rows, cache capacity and tree set (the row, candidate and path counts of its tables): those sizes
@@ -138,7 +140,7 @@ class StepRunner:
             # A FlexAttention step always attends over the whole buffer and is compiled per tree set: Inductor
             # (torch 2.13) fails on FlexAttention calls that share a mask over symbolic sizes.
             torch._dynamo.maybe_mark_dynamic(slot_ids, 0)  # "maybe": a width equal to the capacity may specialise
-            for buffer in state.kv.buffers():
+            for buffer in buffers:
                 torch._dynamo.maybe_mark_dynamic(buffer, 0)
                 torch._dynamo.maybe_mark_dynamic(buffer, 2)
             for tensor in state.row_tensors():

@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # Issue 13's multi-GPU figure: deep prompt-token training on 1 and on 2 GPUs of one host, the same data and
 # settings as the shipped tokens (results/train/v4), on a smaller self-distilled set so that it fits one call.
-#   bash results/train/scaling/run.sh data      # self-distilled conversations, 32 cuts each, forced-teacher targets
+#   bash results/train/scaling/run.sh data      # self-distilled conversations (2 GPUs), 32 cuts each, forced-teacher targets
 #   bash results/train/scaling/run.sh speed     # examples/s: 1 process, then accelerate on 2 GPUs (eval.train_speed)
-#   bash results/train/scaling/run.sh quality   # one epoch each way; held-out accuracies side by side
+#   bash results/train/scaling/run.sh quality   # one epoch on 1 GPU and on 2 (same and twice the global batch)
 # Needs a 2-GPU machine (nvidia-h100-x2) and the staged packages (../shared/gpu/README.md). Every phase skips
 # what an earlier call finished; results go to $OUT/scaling.
 set -uo pipefail
 export PYTHONPATH=/root/ppd-site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 W=${WORK:-/root/work-scaling}; R=${OUT:-/tmp/out}/scaling
 mkdir -p "$W" "$R/logs"
-SAMPLES=${SAMPLES:-800}; N=5; CUTS=32; STEPS=${STEPS:-200}
-TRAIN="--trainer_type distillation --lr_scheduler_type cosine --per_device_train_batch_size 8 --num_prompt_tokens 3
+SAMPLES=${SAMPLES:-1500}; N=5; CUTS=32; STEPS=${STEPS:-200}
+TRAIN="--trainer_type distillation --lr_scheduler_type cosine --num_prompt_tokens 3
   --learning_rate 1e-2 --deep --dataloader_num_workers 2"
 TWO="accelerate launch --multi_gpu --num_processes 2"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$R/logs/gpu.txt"
@@ -19,30 +19,32 @@ for phase in "$@"; do
   start=$SECONDS
   case $phase in
     data)
-      [ -d "$W/sd" ] || python -m data_gen.generate --dataset_type conversations --output_path "$W/sd" \
+      [ -d "$W/sd" ] || $TWO -m data_gen.generate --dataset_type conversations --output_path "$W/sd" \
         --max_samples "$SAMPLES" --max_turns 2 --max_new_tokens 256 --batch_size 256 --decode_method baseline \
         --dtype bfloat16 > "$R/logs/sd.log" 2>&1
       [ -d "$W/sd-cuts" ] || python -m data_gen.generate --dataset_type finetune --data_path "$W/sd" \
         --output_path "$W/sd-cuts" --num_prompt_tokens $N --cuts_per_conversation $CUTS --shard_size 2048 \
         > "$R/logs/cuts.log" 2>&1
-      [ -d "$W/sd-targets" ] || python -m data_gen.generate --dataset_type distillation --data_path "$W/sd-cuts" \
+      [ -d "$W/sd-targets" ] || $TWO -m data_gen.generate --dataset_type distillation --data_path "$W/sd-cuts" \
         --output_path "$W/sd-targets" --num_prompt_tokens $N --teacher forced --dtype bfloat16 \
         --batch_tokens 131072 --max_batch_size 256 --shard_size 2048 > "$R/logs/targets.log" 2>&1 ;;
     speed)
       [ -f "$R/train_speed_1gpu.json" ] || CUDA_VISIBLE_DEVICES=0 python -m eval.train_speed --dataset_path "$W/sd-targets" \
-        --max_steps "$STEPS" --cuts_per_forward 0 --output "$R/train_speed_1gpu.json" -- $TRAIN \
+        --max_steps "$STEPS" --cuts_per_forward 0 --output "$R/train_speed_1gpu.json" -- $TRAIN --per_device_train_batch_size 8 \
         > "$R/logs/speed_1gpu.log" 2>&1
       [ -f "$R/train_speed_2gpu.json" ] || python -m eval.train_speed --dataset_path "$W/sd-targets" \
-        --max_steps "$STEPS" --cuts_per_forward 0 --launcher "$TWO" --output "$R/train_speed_2gpu.json" -- $TRAIN \
+        --max_steps "$STEPS" --cuts_per_forward 0 --launcher "$TWO" --output "$R/train_speed_2gpu.json" -- $TRAIN --per_device_train_batch_size 8 \
         > "$R/logs/speed_2gpu.log" 2>&1 ;;
-    quality)
-      for gpus in 1 2; do
-        out=$W/runs/e1-${gpus}gpu
+    quality)  # GPUS:PER_DEVICE_BATCH: one GPU; two at the same global batch (the same optimizer steps); two at
+              # twice the global batch (half the steps)
+      for run in 1:8 2:4 2:8; do
+        gpus=${run%:*}; per=${run#*:}; name=${gpus}gpu_b$per
+        out=$W/runs/e1-$name
         launch="env CUDA_VISIBLE_DEVICES=0 python"; [ $gpus = 2 ] && launch=$TWO  # one process: one GPU visible
         [ -f "$out/training_log.json" ] || $launch -m train.train --dataset_path "$W/sd-targets" --output_dir "$out" \
-          $TRAIN --num_train_epochs 1 --eval_size 0.03 --per_device_eval_batch_size 16 --save_strategy no \
-          > "$R/logs/quality_${gpus}gpu.log" 2>&1
-        cp "$out/training_log.json" "$R/training_log_${gpus}gpu.json" 2>/dev/null
+          $TRAIN --per_device_train_batch_size $per --num_train_epochs 1 --eval_size 0.05 \
+          --per_device_eval_batch_size 16 --save_strategy no > "$R/logs/quality_$name.log" 2>&1
+        cp "$out/training_log.json" "$R/training_log_$name.json" 2>/dev/null
       done ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
@@ -57,10 +59,9 @@ for g, row in speed.items():
     print(f"{g} GPU: {row['examples_per_s']:.1f} examples/s ({row['examples']} examples in {row['seconds']:.1f} s)")
 if len(speed) == 2:
     print(f"2 GPUs / 1 GPU: {speed[2]['examples_per_s'] / speed[1]['examples_per_s']:.2f}x")
-for g in (1, 2):
-    f = r / f"training_log_{g}gpu.json"
-    if f.exists():
-        log = json.loads(f.read_text())
-        final = {k: round(v, 4) for k, v in log["final_eval"].items() if k.startswith("eval_top1") or k == "eval_loss"}
-        print(f"{g} GPU, 1 epoch: {log['throughput']['examples_per_s']:.1f} examples/s, held out {final}")
+for f in sorted(r.glob("training_log_*.json")):
+    log = json.loads(f.read_text())
+    final = {k: round(v, 4) for k, v in log["final_eval"].items() if k.startswith("eval_top1") or k == "eval_loss"}
+    print(f"{f.stem[13:]}, 1 epoch, {log['log_history'][-1].get('step')} steps: "
+          f"{log['throughput']['examples_per_s']:.1f} examples/s, held out {final}")
 PY
