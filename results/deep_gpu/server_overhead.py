@@ -1,12 +1,13 @@
-"""Where a served request's step time goes: the same greedy request timed three ways in one process, for PPD
+"""Where a served request's step time goes: the same greedy request timed four ways in one process, for PPD
 and the baseline, on one warmed-up engine.
 
     python results/deep_gpu/server_overhead.py --dtype bfloat16 --capture compiled_graph --max_seq_len 1024 \\
-        --output results/deep_gpu/h200/server_overhead.json
+        [--max_batch 64] --output results/deep_gpu/h200/server_overhead/max_batch_1.json
 
 1. ``decoder``: the decoder's own loop (``Decoder.stream``), time between consecutive steps; and the same
    loop run by a thread of its own (``decoder_thread``), as the batcher's is;
-2. ``batcher``: the continuous batcher of the server (one row), its stream read by this thread;
+2. ``batcher``: the continuous batcher of the server (a state of ``--max_batch`` rows, the request in the
+   first), its stream read by this thread;
 3. ``batcher + http``: the same batcher behind the real FastAPI app on uvicorn (loopback), one streamed
    chat request read with httpx, time between content chunks.
 
@@ -19,13 +20,11 @@ baseline's chunk came every 1.7 ms against 1.6 ms: this script finds out why.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import torch
@@ -33,6 +32,8 @@ import uvicorn
 
 from application.serve import create_app
 from eval.benchmarks import load_benchmark
+from eval.load import chunk_gaps
+from eval.records import environment, write_json
 from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_decoder_or_exit
 from ppd.config import DecodeConfig
 from ppd.serving import batcher as batcher_module
@@ -73,13 +74,9 @@ class StepClock:
                 "steps": len(self.inside)}
 
 
-def gaps(times: list[float]) -> list[float]:
-    return [b - a for a, b in zip(times, times[1:])]
-
-
 def time_decoder(decoder, ids, config) -> dict:
     times = [time.perf_counter() for _ in decoder.stream(ids, config)]
-    return {"step_gap_ms": median_ms(gaps(times[1:])), "steps": len(times) - 1}
+    return {"step_gap_ms": median_ms(chunk_gaps(times[1:])), "steps": len(times) - 1}
 
 
 def time_decoder_in_thread(decoder, ids, config) -> dict:
@@ -93,7 +90,7 @@ def time_decoder_in_thread(decoder, ids, config) -> dict:
 def time_batcher(batcher, ids, config) -> dict:
     with StepClock() as clock:
         times = [time.perf_counter() for _ in batcher.submit(ids, config)]
-    return {"chunk_gap_ms": median_ms(gaps(times[1:])), **clock.summary()}
+    return {"chunk_gap_ms": median_ms(chunk_gaps(times[1:])), **clock.summary()}
 
 
 def time_http(url: str, prompt: str, method: str, max_tokens: int) -> dict:
@@ -106,7 +103,7 @@ def time_http(url: str, prompt: str, method: str, max_tokens: int) -> dict:
             for line in response.iter_lines():
                 if line.startswith("data: {") and '"content"' in line:
                     times.append(time.perf_counter())
-    return {"chunk_gap_ms": median_ms(gaps(times[1:])), **clock.summary()}
+    return {"chunk_gap_ms": median_ms(chunk_gaps(times[1:])), **clock.summary()}
 
 
 def main() -> int:
@@ -151,10 +148,8 @@ def main() -> int:
                 print(json.dumps(row), flush=True)
         server.should_exit = True
         thread.join(timeout=10)
-    out = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name() if torch.cuda.is_available()
-           else "cpu", "torch": torch.__version__, "warmup_s": warmup_s, "rows": rows}
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(out, indent=1))
+    write_json(args.output, {"command": " ".join(sys.argv), **environment(decoder.device), "warmup_s": warmup_s,
+                             "rows": rows})
     return 0
 
 
