@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 # EOS ids one decoding row checks its tokens against (a fixed width, so that the step compiles once).
 MAX_EOS_IDS = 8
 # Bumped when the on-disk adapter layout changes in a way older readers cannot follow: 2 added deep prompt
-# tokens' per-layer offsets (an adapter without them is still written as format 1).
-ADAPTER_FORMAT_VERSION = 2
+# tokens' per-layer offsets, 3 their low-rank maps (an adapter without them is written as the oldest format
+# that holds it: 1 for plain prompt tokens, 2 for offsets only).
+ADAPTER_FORMAT_VERSION = 3
 
 
 class AttentionType(str, enum.Enum):
@@ -101,6 +102,9 @@ class PromptTokenConfig:
         "help": "Deep prompt tokens: also an offset added to each prompt token's hidden state after every "
                 "decoder layer (ppd.deep_prompts)."})
     num_layers: int = field(default=0, metadata={"help": "Decoder layers of the base model (deep prompt tokens)."})
+    map_rank: int = field(default=0, metadata={
+        "help": "Deep prompt tokens: rank of each prompt row's low-rank map of its hidden state, added after "
+                "every decoder layer with the offset (0: offsets only)."})
     format_version: int = field(default=1, metadata={"help": "On-disk format version."})
 
     def __post_init__(self) -> None:
@@ -109,10 +113,13 @@ class PromptTokenConfig:
             raise ValueError(f"num_prompt_tokens must be >= 1, got {self.num_prompt_tokens}")
         if self.num_ensemble < 1:
             raise ValueError(f"num_ensemble must be >= 1, got {self.num_ensemble}")
-        if self.hidden_size < 0 or self.vocab_size < 0 or self.num_layers < 0:
-            raise ValueError("hidden_size, vocab_size and num_layers must be non-negative")
-        if self.deep:  # an older ppd cannot read the offsets: it must refuse the adapter, not drop them
-            self.format_version = max(self.format_version, ADAPTER_FORMAT_VERSION)
+        if self.hidden_size < 0 or self.vocab_size < 0 or self.num_layers < 0 or self.map_rank < 0:
+            raise ValueError("hidden_size, vocab_size, num_layers and map_rank must be non-negative")
+        if self.map_rank and not self.deep:
+            raise ValueError(f"map_rank={self.map_rank} needs deep prompt tokens (the maps act where the offsets do)")
+        # an older ppd cannot read the offsets or the maps: it must refuse the adapter, not drop them
+        needed = 3 if self.map_rank else 2 if self.deep else 1
+        self.format_version = max(self.format_version, needed)
 
     @property
     def num_rows(self) -> int:
@@ -136,6 +143,8 @@ class PromptTokenConfig:
         }
         if self.deep:
             data.update(deep=True, num_layers=self.num_layers)
+        if self.map_rank:
+            data.update(map_rank=self.map_rank)
         return data
 
 

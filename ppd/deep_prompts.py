@@ -13,9 +13,17 @@ offsets from its ``table``, both set before the forward and cleared after it (tr
 checkpointing keeps them until the backward has recomputed the forward). A decoding step sets them inside the
 compiled or captured step from its own inputs, so the offsets are part of the graph and a new decoder with
 other prompt tokens compiles nothing again.
+
+With ``map_rank`` r > 0 each prompt-table row also has a low-rank map of its hidden state, per layer: after
+layer l, row r's hidden state h gains ``(h @ down[l])[block r] @ up[l][block r]`` (``down`` [layers, hidden,
+N * V * r], ``up`` [layers, N * V * r, hidden], block r the r columns of that row). The offsets move every
+prompt row the same way whatever it read; the maps let the change depend on what the row has gathered from
+the real tokens so far. A real token's block selector is all zeros, so its hidden state gains an exact zero.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -33,15 +41,25 @@ def decoder_layers(model) -> nn.ModuleList:
     return found[0]
 
 
+@dataclass
+class DeepWeights:
+    """What the hooks add, in the dtype of the forward (row 0 of ``offsets`` and of ``select``: a real token)."""
+
+    offsets: torch.Tensor  # [layers, 1 + N * V, hidden]
+    down: torch.Tensor | None = None  # [layers, hidden, N * V * r]: low-rank maps (None: offsets only)
+    up: torch.Tensor | None = None  # [layers, N * V * r, hidden]
+    select: torch.Tensor | None = None  # [1 + N * V, N * V * r]: ones on each row's own r columns
+
+
 class LayerOffsets:
-    """Hooks that add ``table[l][rows]`` to decoder layer l's output while ``rows`` is set (``table``: from
-    :func:`padded_offsets`, row 0 zeros for real tokens). Installed once per model (:func:`layer_offsets`) and
-    inert until told: a compiled step guards on the hooks, so they never change; the tables and rows are what
-    each forward brings."""
+    """Hooks that add ``table`` (:class:`DeepWeights`, from :func:`deep_weights`) to decoder layer l's output at
+    the prompt rows while ``rows`` is set. Installed once per model (:func:`layer_offsets`) and inert until told:
+    a compiled step guards on the hooks, so they never change; the weights and rows are what each forward
+    brings."""
 
     def __init__(self, model):
         self.rows: torch.Tensor | None = None
-        self.table: torch.Tensor | None = None
+        self.table: DeepWeights | None = None
         self.handles = [layer.register_forward_hook(self._hook(i)) for i, layer in enumerate(decoder_layers(model))]
         self.num_layers = len(self.handles)
 
@@ -55,12 +73,17 @@ class LayerOffsets:
                 raise RuntimeError(f"deep prompt tokens were told about the prompt rows of a {told} forward during "
                                    f"a {seen} one: set LayerOffsets.rows before each forward (None where it has "
                                    "no prompt rows)")
-            hidden = hidden + self.table[index].to(hidden.dtype)[self.rows]
+            table, dtype = self.table, hidden.dtype
+            moved = hidden + table.offsets[index].to(dtype)[self.rows]
+            if table.down is not None:
+                own = (hidden @ table.down[index].to(dtype)) * table.select.to(dtype)[self.rows]
+                moved = moved + own @ table.up[index].to(dtype)
+            hidden = moved
             return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
         return add
 
-    def set(self, rows: torch.Tensor | None, table: torch.Tensor | None) -> None:
-        """What the next forward adds: ``table`` rows at ``rows`` (None, None: nothing)."""
+    def set(self, rows: torch.Tensor | None, table: DeepWeights | None) -> None:
+        """What the next forward adds: ``table`` at ``rows`` (None, None: nothing)."""
         self.rows, self.table = rows, table
 
 
@@ -84,11 +107,23 @@ def hooks_for(model, tokens) -> LayerOffsets | None:
     return hooks
 
 
-def padded_offsets(offsets: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """[layers, 1 + N * V, hidden]: the offsets after a zero row (what a real token gets), in ``dtype``
-    (differentiable: training reads its parameter through this)."""
-    offsets = offsets if dtype is None else offsets.to(dtype)
-    return torch.cat([offsets.new_zeros(offsets.shape[0], 1, offsets.shape[2]), offsets], dim=1)
+def deep_weights(tokens, dtype: torch.dtype | None = None, detach: bool = False) -> DeepWeights:
+    """The hooks' :class:`DeepWeights` for deep ``tokens``, in ``dtype``: differentiable (training reads its
+    parameters through this) unless ``detach`` (the decoder's)."""
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach() if detach else t
+        return t if dtype is None else t.to(dtype)
+
+    offsets = cast(tokens.offsets)
+    padded = torch.cat([offsets.new_zeros(offsets.shape[0], 1, offsets.shape[2]), offsets], dim=1)
+    rank = tokens.config.map_rank
+    if not rank:
+        return DeepWeights(padded)
+    rows = tokens.config.num_rows
+    select = torch.zeros(1 + rows, rows * rank, device=offsets.device, dtype=padded.dtype)
+    for row in range(rows):
+        select[1 + row, row * rank:(row + 1) * rank] = 1
+    return DeepWeights(padded, cast(tokens.map_down), cast(tokens.map_up), select)
 
 
 def prompt_row_index(is_prompt: torch.Tensor, table_row: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,8 @@
 An adapter directory holds ``ppd_config.json`` (sorted keys: N, V, attention type, base model id and
 revision, hidden and vocabulary sizes, format version) and ``prompt_tokens.safetensors`` with one tensor,
 ``embeddings`` of shape ``[N * V, hidden]`` (row ``k * V + j`` is copy j of prompt token k); deep prompt tokens
-(``ppd.deep_prompts``) add ``offsets`` of shape ``[layers, N * V, hidden]``. No pickles.
+(``ppd.deep_prompts``) add ``offsets`` of shape ``[layers, N * V, hidden]``, and with ``map_rank`` r the low-rank maps
+``map_down`` ``[layers, hidden, N * V * r]`` and ``map_up`` ``[layers, N * V * r, hidden]``. No pickles.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ CONFIG_NAME = "ppd_config.json"
 WEIGHTS_NAME = "prompt_tokens.safetensors"
 TENSOR_NAME = "embeddings"
 OFFSETS_NAME = "offsets"
+MAP_NAMES = ("map_down", "map_up")
 
 
 class AdapterMismatchError(ValueError):
@@ -34,10 +36,12 @@ class AdapterMismatchError(ValueError):
 
 class PromptTokens(nn.Module):
     """``embeddings``: float32 parameter [N * V, hidden]; with ``config.deep`` also ``offsets``, float32
-    [layers, N * V, hidden] (zeros when not given). The only trained weights of PPD."""
+    [layers, N * V, hidden] (zeros when not given), and with ``config.map_rank`` the maps ``map_down`` and
+    ``map_up`` (when not given: ``down`` random, ``up`` zeros, so that a new map changes nothing yet gets a
+    gradient). The only trained weights of PPD."""
 
     def __init__(self, config: PromptTokenConfig, embeddings: torch.Tensor | None = None,
-                 offsets: torch.Tensor | None = None):
+                 offsets: torch.Tensor | None = None, maps: tuple[torch.Tensor, torch.Tensor] | None = None):
         super().__init__()
         self.config = config
         if embeddings is None:
@@ -58,12 +62,28 @@ class PromptTokens(nn.Module):
             self.offsets = nn.Parameter(offsets.detach().to(torch.float32).clone())
         elif offsets is not None:
             raise ValueError("offsets were given for prompt tokens that are not deep (config.deep is False)")
+        self.map_down: nn.Parameter | None = None
+        self.map_up: nn.Parameter | None = None
+        if config.map_rank:
+            width = config.num_rows * config.map_rank
+            shapes = ((config.num_layers, config.hidden_size, width), (config.num_layers, width, config.hidden_size))
+            if maps is None:
+                generator = torch.Generator().manual_seed(0)
+                maps = (torch.randn(shapes[0], generator=generator) / config.hidden_size ** 0.5, torch.zeros(shapes[1]))
+            for name, tensor, shape in zip(MAP_NAMES, maps, shapes):
+                if tuple(tensor.shape) != shape:
+                    raise ValueError(f"{name} has shape {tuple(tensor.shape)}, config expects {list(shape)}")
+                setattr(self, name, nn.Parameter(tensor.detach().to(torch.float32).clone()))
+        elif maps is not None:
+            raise ValueError("low-rank maps were given for prompt tokens without them (config.map_rank is 0)")
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The trained tensors by their on-disk names."""
         found = {TENSOR_NAME: self.embeddings}
         if self.offsets is not None:
             found[OFFSETS_NAME] = self.offsets
+        if self.map_down is not None:
+            found.update(zip(MAP_NAMES, (self.map_down, self.map_up)))
         return found
 
     @property
@@ -145,12 +165,13 @@ class PromptTokens(nn.Module):
         except Exception as err:  # safetensors raises its own error type, naming no file
             raise ValueError(f"{weights_path} cannot be read as a safetensors file (truncated or damaged?): "
                              f"{err}") from err
-        wanted = [TENSOR_NAME] + ([OFFSETS_NAME] if config.deep else [])
+        wanted = [TENSOR_NAME] + ([OFFSETS_NAME] if config.deep else []) + (list(MAP_NAMES) if config.map_rank else [])
         for name in wanted:
             if name not in tensors:
                 raise ValueError(f"{weights_path} holds no {name!r} tensor (found {sorted(tensors)})")
             _check_finite(tensors[name], f"{weights_path} holds")
-        tokens = cls(config, tensors[TENSOR_NAME], tensors.get(OFFSETS_NAME) if config.deep else None)
+        maps = tuple(tensors[name] for name in MAP_NAMES) if config.map_rank else None
+        tokens = cls(config, tensors[TENSOR_NAME], tensors.get(OFFSETS_NAME) if config.deep else None, maps)
         if model is not None:
             tokens.check_compatible(model)
         return tokens

@@ -19,7 +19,7 @@ from enum import Enum
 import torch
 from torch import nn
 
-from .deep_prompts import hooks_for, padded_offsets
+from .deep_prompts import deep_weights, hooks_for
 from .losses import cross_entropy_loss, distillation_loss
 from .prefill import average_copies, build_prefill
 from .prompt_tokens import PromptTokens
@@ -85,7 +85,7 @@ class PromptTokenModel(nn.Module):
         inputs = build_prefill(self.base_model, batch, self.prompt_tokens(), config.num_prompt_tokens,
                                config.num_ensemble, config.attention_type, cuts)
         if self.layer_offsets is not None:
-            self.layer_offsets.set(inputs.prompt_rows, padded_offsets(self.prompt_tokens.offsets))
+            self.layer_offsets.set(inputs.prompt_rows, deep_weights(self.prompt_tokens))
         out = self.base_model(inputs_embeds=inputs.embeds, attention_mask=inputs.mask, position_ids=inputs.positions,
                               use_cache=False, logits_to_keep=inputs.keep)
         if self.layer_offsets is not None and not self.checkpointing:  # a checkpointed backward recomputes it

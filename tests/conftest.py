@@ -65,17 +65,23 @@ def tiny_model(arch: str = "llama", vocab: int = TINY_VOCAB, seed: int = 0, max_
 
 
 def random_prompt_tokens(model, n: int = 3, v: int = 1, attention: str = "ensemble", seed: int = 0,
-                         deep: bool = False) -> PromptTokens:
-    """Random prompt tokens for ``model``; ``deep``: with random per-layer offsets too."""
+                         deep: bool = False, rank: int = 0) -> PromptTokens:
+    """Random prompt tokens for ``model``; ``deep``: with random per-layer offsets too; ``rank``: and random
+    low-rank maps of that rank."""
     hidden = model.get_input_embeddings().weight.shape[1]
     vocab = model.get_output_embeddings().weight.shape[0]
     layers = model.config.num_hidden_layers if deep else 0
     generator = torch.Generator().manual_seed(seed)
     config = PromptTokenConfig(num_prompt_tokens=n, num_ensemble=v, attention_type=attention, hidden_size=hidden,
-                               vocab_size=vocab, base_model="tiny", deep=deep, num_layers=layers)
+                               vocab_size=vocab, base_model="tiny", deep=deep, num_layers=layers, map_rank=rank)
     embeddings = torch.randn(n * v, hidden, generator=generator)
     offsets = 0.5 * torch.randn(layers, n * v, hidden, generator=generator) if deep else None
-    return PromptTokens(config, embeddings, offsets)
+    maps = None
+    if rank:
+        width = n * v * rank
+        maps = (torch.randn(layers, hidden, width, generator=generator) / hidden ** 0.5,
+                0.3 * torch.randn(layers, width, hidden, generator=generator) / width ** 0.5)
+    return PromptTokens(config, embeddings, offsets, maps)
 
 
 def random_tree(rng: random.Random, key: int, n_prompt: int, top_k: int, size: int) -> Tree:

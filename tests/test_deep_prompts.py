@@ -1,4 +1,4 @@
-"""Deep prompt tokens: per-layer offsets at the prompt rows only, trained, saved and loaded."""
+"""Deep prompt tokens: per-layer offsets (and low-rank maps) at the prompt rows only, trained, saved and loaded."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from ppd.deep_prompts import decoder_layers, padded_offsets
+from ppd.deep_prompts import decoder_layers, deep_weights
 from ppd.prefill import build_prefill
 from ppd.prompt_tokens import AdapterMismatchError, PromptTokens
 from ppd.training import PromptTokenModel
@@ -23,7 +23,7 @@ def _all_logits(trainer: PromptTokenModel, batch=BATCH) -> tuple[torch.Tensor, t
     inputs = build_prefill(trainer.base_model, batch, trainer.prompt_tokens(), config.num_prompt_tokens,
                            config.num_ensemble, config.attention_type)
     if trainer.layer_offsets is not None:
-        trainer.layer_offsets.set(inputs.prompt_rows, padded_offsets(trainer.prompt_tokens.offsets))
+        trainer.layer_offsets.set(inputs.prompt_rows, deep_weights(trainer.prompt_tokens))
     logits = trainer.base_model(inputs_embeds=inputs.embeds, attention_mask=inputs.mask,
                                 position_ids=inputs.positions, use_cache=False).logits
     if trainer.layer_offsets is not None:
@@ -32,11 +32,11 @@ def _all_logits(trainer: PromptTokenModel, batch=BATCH) -> tuple[torch.Tensor, t
     return logits, real
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-def test_zero_offsets_are_the_plain_prompt_tokens_and_real_rows_never_change(arch):
+@pytest.mark.parametrize("arch,rank", [("llama", 0), ("qwen2", 0), ("mistral", 0), ("llama", 4), ("qwen2", 2)])
+def test_zero_offsets_are_the_plain_prompt_tokens_and_real_rows_never_change(arch, rank):
     model = tiny_model(arch)
-    deep = random_prompt_tokens(model, n=3, v=2, seed=3, deep=True)
-    plain_config = dataclasses.replace(deep.config, deep=False, num_layers=0)
+    deep = random_prompt_tokens(model, n=3, v=2, seed=3, deep=True, rank=rank)
+    plain_config = dataclasses.replace(deep.config, deep=False, num_layers=0, map_rank=0)
     plain = PromptTokens(plain_config, deep.embeddings)
     plain_logits, real = _all_logits(PromptTokenModel(model, plain))
     deep_logits, _ = _all_logits(PromptTokenModel(model, deep))
@@ -46,6 +46,9 @@ def test_zero_offsets_are_the_plain_prompt_tokens_and_real_rows_never_change(arc
     assert (deep_logits[prompt] - plain_logits[prompt]).abs().amax() > 1e-3
     with torch.no_grad():
         deep.offsets.zero_()
+        if rank:  # the maps alone still move the prompt rows; with their up-projection at zero nothing does
+            assert (_all_logits(PromptTokenModel(model, deep))[0][prompt] - plain_logits[prompt]).abs().amax() > 1e-3
+            deep.map_up.zero_()
     torch.testing.assert_close(_all_logits(PromptTokenModel(model, deep))[0], plain_logits, rtol=0, atol=0)
 
 
@@ -81,6 +84,47 @@ def test_offsets_train_and_round_trip(tmp_path):
                                                                              torch.tensor([6])), logits.detach())
 
 
+def test_low_rank_maps_train_round_trip_and_start_as_no_change(tmp_path):
+    import json
+    model = tiny_model("llama")
+    tokens = random_prompt_tokens(model, n=2, v=2, seed=5, deep=True, rank=3)
+    trainer = PromptTokenModel(model, tokens)
+    logits = trainer.prompt_logits(torch.tensor([BATCH[0]]), torch.tensor([6]))
+    logits.logsumexp(-1).sum().backward()
+    for name in ("map_down", "map_up"):
+        grad = getattr(tokens, name).grad
+        assert grad is not None and (grad.abs().sum((1, 2)) > 0).all(), name  # every layer's map learns
+    # each prompt row has a map of its own: prompt token 1 (rows 0 and 1, which do not see token 2's rows)
+    # trains only its rows' columns of the maps
+    tokens.map_up.grad = None
+    trainer.prompt_logits(torch.tensor([BATCH[0]]), torch.tensor([6]))[:, 0].logsumexp(-1).sum().backward()
+    own = torch.arange(4 * 3) < 2 * 3
+    assert tokens.map_up.grad[:, own].abs().sum() > 0 and not tokens.map_up.grad[:, ~own].any()
+
+    tokens.save_pretrained(tmp_path / "maps")
+    written = json.loads((tmp_path / "maps" / "ppd_config.json").read_text())
+    assert written["format_version"] == 3 and written["map_rank"] == 3
+    loaded = PromptTokens.from_pretrained(tmp_path / "maps", model)
+    assert loaded.config == tokens.config
+    assert torch.equal(loaded.map_down, tokens.map_down.detach()) and torch.equal(loaded.map_up, tokens.map_up.detach())
+    torch.testing.assert_close(PromptTokenModel(model, loaded).prompt_logits(torch.tensor([BATCH[0]]),
+                                                                             torch.tensor([6])), logits.detach())
+    # new maps (the training start) change nothing: up is zero, down random
+    fresh = PromptTokens(tokens.config, tokens.embeddings, tokens.offsets)
+    assert not fresh.map_up.any() and fresh.map_down.std() > 0
+    without = PromptTokens(dataclasses.replace(tokens.config, map_rank=0), tokens.embeddings, tokens.offsets)
+    torch.testing.assert_close(PromptTokenModel(model, fresh).prompt_logits(torch.tensor([BATCH[0]]), torch.tensor([6])),
+                               PromptTokenModel(model, without).prompt_logits(torch.tensor([BATCH[0]]),
+                                                                              torch.tensor([6])), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="map_rank=3 needs deep prompt tokens"):
+        dataclasses.replace(tokens.config, deep=False)
+    from safetensors.torch import save_file
+    save_file({k: v.detach() for k, v in tokens.tensors().items() if k != "map_up"},
+              str(tmp_path / "maps" / "prompt_tokens.safetensors"))
+    with pytest.raises(ValueError, match="holds no 'map_up' tensor"):
+        PromptTokens.from_pretrained(tmp_path / "maps")
+
+
 def test_deep_adapters_refuse_a_model_of_another_depth_and_files_without_offsets(tmp_path):
     model = tiny_model("llama")
     tokens = random_prompt_tokens(model, deep=True)
@@ -111,14 +155,15 @@ def test_plain_adapters_are_still_written_as_format_1(tmp_path):
 ON_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
 
-@pytest.mark.parametrize("capture", ["eager", "compile", pytest.param("graph", marks=ON_GPU),
-                                     pytest.param("compiled_graph", marks=ON_GPU)])
-def test_deep_prompt_tokens_decode_losslessly_and_every_step_mode_agrees(capture):
+@pytest.mark.parametrize("capture,rank", [("eager", 0), ("compile", 0), ("compile", 2),
+                                          pytest.param("graph", 0, marks=ON_GPU),
+                                          pytest.param("compiled_graph", 2, marks=ON_GPU)])
+def test_deep_prompt_tokens_decode_losslessly_and_every_step_mode_agrees(capture, rank):
     from ppd.decoder import Decoder
     model = tiny_model("llama")
     if capture in ("graph", "compiled_graph"):  # the offsets as inputs of a captured step
         model = model.cuda()
-    tokens = random_prompt_tokens(model, n=3, v=1, seed=1, deep=True)
+    tokens = random_prompt_tokens(model, n=3, v=1, seed=1, deep=True, rank=rank)
     decoder = Decoder(model, tokens)
     prompts = [[5, 9, 2, 7, 7, 1, 4, 4], [3, 8, 1], [11]]
     eager = decoder.generate(prompts, max_new_tokens=40, capture="eager")
@@ -134,7 +179,7 @@ def test_deep_prompt_tokens_decode_losslessly_and_every_step_mode_agrees(capture
 def test_hooks_told_about_another_forward_refuse_instead_of_adding_offsets_in_the_wrong_places():
     model = tiny_model("llama")
     trainer = PromptTokenModel(model, random_prompt_tokens(model, deep=True))
-    trainer.layer_offsets.set(torch.zeros(1, 4, dtype=torch.long), padded_offsets(trainer.prompt_tokens.offsets))
+    trainer.layer_offsets.set(torch.zeros(1, 4, dtype=torch.long), deep_weights(trainer.prompt_tokens))
     with pytest.raises(RuntimeError, match=r"prompt rows of a \[1, 4\] forward during a \[1, 6\] one"):
         model(input_ids=torch.tensor([BATCH[0]]))
     trainer.layer_offsets.set(None, None)

@@ -35,17 +35,18 @@ def _loss_and_grad(model: PromptTokenModel, batch: dict, per_example: bool = Fal
     return losses.detach(), torch.cat([w.grad.flatten() for w in weights])
 
 
-@pytest.mark.parametrize("arch,window,v,attention,objective,deep", [
-    ("llama", None, 1, "ensemble", Objective.DISTILLATION, False),
-    ("qwen2", None, 2, "ensemble", Objective.DISTILLATION, False),
-    ("mistral", 9, 2, "decoder", Objective.CROSS_ENTROPY, False),
-    ("llama", None, 2, "ensemble", Objective.DISTILLATION, True),
-    ("qwen2", 9, 1, "ensemble", Objective.CROSS_ENTROPY, True),
+@pytest.mark.parametrize("arch,window,v,attention,objective,deep,rank", [
+    ("llama", None, 1, "ensemble", Objective.DISTILLATION, False, 0),
+    ("qwen2", None, 2, "ensemble", Objective.DISTILLATION, False, 0),
+    ("mistral", 9, 2, "decoder", Objective.CROSS_ENTROPY, False, 0),
+    ("llama", None, 2, "ensemble", Objective.DISTILLATION, True, 0),
+    ("qwen2", 9, 1, "ensemble", Objective.CROSS_ENTROPY, True, 0),
+    ("llama", None, 2, "ensemble", Objective.DISTILLATION, True, 3),
 ])
-def test_packed_cuts_give_the_losses_and_gradients_of_single_cuts(arch, window, v, attention, objective, deep):
+def test_packed_cuts_give_the_losses_and_gradients_of_single_cuts(arch, window, v, attention, objective, deep, rank):
     model = tiny_model(arch, vocab=VOCAB, window=window)
     n = 3
-    tokens = random_prompt_tokens(model, n=n, v=v, attention=attention, seed=1, deep=deep)
+    tokens = random_prompt_tokens(model, n=n, v=v, attention=attention, seed=1, deep=deep, rank=rank)
     trainer = PromptTokenModel(model, tokens, objective)
     generator = torch.Generator().manual_seed(0)
     sequences = [torch.randint(VOCAB, (37,), generator=generator).tolist(),

@@ -36,10 +36,10 @@ def decoded(outputs) -> list[tuple[int, int]]:
     return [(o.new_tokens, o.steps) for o in outputs]
 
 
-@pytest.mark.parametrize("V,deep", [(1, False), (2, False), (1, True), (2, True)])
-def test_replay_gives_the_decoders_steps_on_tiny_models(V, deep):
+@pytest.mark.parametrize("V,deep,rank", [(1, False, 0), (2, False, 0), (1, True, 0), (2, True, 0), (2, True, 2)])
+def test_replay_gives_the_decoders_steps_on_tiny_models(V, deep, rank):
     model = tiny_model()
-    prompt_tokens = random_prompt_tokens(model, n=3, v=V, seed=V, deep=deep)
+    prompt_tokens = random_prompt_tokens(model, n=3, v=V, seed=V, deep=deep, rank=rank)
     scorer = PromptTokenModel(model, prompt_tokens)
     reasons, guessed = set(), 0
     for seed in range(3):

@@ -55,12 +55,35 @@ def test_a_few_steps_lower_the_held_out_loss(datasets_dir, tmp_path):
     assert log["dataset"]["eval_examples"] == 24 and log["prompt_tokens"]["base_model"].startswith("HuggingFaceTB")
 
 
-def test_deep_prompt_tokens_train_from_the_command_line(datasets_dir, tmp_path):
-    log = run_train(datasets_dir, tmp_path / "deep", "--max_steps", "8", "--deep")
+def test_deep_prompt_tokens_with_low_rank_maps_train_from_the_command_line(datasets_dir, tmp_path):
+    log = run_train(datasets_dir, tmp_path / "deep", "--max_steps", "8", "--deep", "--map_rank", "2",
+                    "--map_learning_rate", "1e-3")
     assert log["final_eval"]["eval_loss"] < log["initial_eval"]["initial_loss"] - 0.3
     tokens = PromptTokens.from_pretrained(tmp_path / "deep")
     assert tokens.config.deep and tokens.config.num_layers == 30 and log["prompt_tokens"]["deep"]
+    assert tokens.config.map_rank == 2 and log["prompt_tokens"]["map_rank"] == 2
     assert (tokens.offsets.abs().sum((1, 2)) > 0).all()  # every layer's offset was trained
+    assert (tokens.map_up.abs().sum((1, 2)) > 0).all()  # and every layer's map
+
+
+def test_the_low_rank_maps_get_their_own_learning_rate(tmp_path):
+    from transformers import TrainingArguments
+    from .conftest import random_prompt_tokens, tiny_model
+    model = tiny_model("llama")
+    tokens = random_prompt_tokens(model, deep=True, rank=2)
+    args = TrainingArguments(output_dir=str(tmp_path), learning_rate=1e-2, report_to=[], use_cpu=True)
+    for map_lr, expected in ((3e-4, {1e-2: 2, 3e-4: 2}), (None, {1e-2: 4})):
+        trainer = PromptTokenTrainer(model=PromptTokenModel(model, tokens), args=args, map_learning_rate=map_lr)
+        optimizer = trainer.create_optimizer()
+        counts = {}
+        for group in optimizer.param_groups:
+            counts[group["lr"]] = counts.get(group["lr"], 0) + len(group["params"])
+        assert counts == expected
+        maps = {id(tokens.map_down), id(tokens.map_up)}
+        assert all(group["lr"] == (map_lr or 1e-2) for group in optimizer.param_groups
+                   if any(id(p) in maps for p in group["params"]))
+    with pytest.raises(SystemExit):
+        train.main(["--dataset_path", str(tmp_path), "--output_dir", str(tmp_path / "o"), "--map_rank", "2"])
 
 
 def test_only_prompt_tokens_get_gradients(real_model):

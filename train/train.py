@@ -115,6 +115,11 @@ class PromptTokenArguments:
     init_text: str = field(default="Next 2 word", metadata={"help": "text whose embeddings initialise the tokens"})
     deep: bool = field(default=False, metadata={
         "help": "deep prompt tokens: also learn an offset to each prompt token's hidden state after every layer"})
+    map_rank: int = field(default=0, metadata={
+        "help": "with --deep: also learn, per layer and prompt token, a low-rank map of its hidden state of this "
+                "rank (0: offsets only)"})
+    map_learning_rate: float | None = field(default=None, metadata={
+        "help": "learning rate of the low-rank maps (default: --learning_rate); follows the same schedule"})
     init_adapter: str | None = field(default=None, metadata={"help": "start from this adapter instead"})
 
     def __post_init__(self):
@@ -123,6 +128,12 @@ class PromptTokenArguments:
         for name in ("num_prompt_tokens", "num_ensemble"):
             _require(getattr(self, name) >= 1, name, getattr(self, name), "at least 1")
         _require(0 < self.loss_decay <= 1, "loss_decay", self.loss_decay, "in (0, 1]")  # False for NaN too
+        _require(self.map_rank >= 0, "map_rank", self.map_rank, "at least 0")
+        if self.map_rank and not self.deep:
+            raise ValueError("--map_rank needs --deep (the maps act where the per-layer offsets do)")
+        if self.map_learning_rate is not None:
+            _require(math.isfinite(self.map_learning_rate) and self.map_learning_rate > 0, "map_learning_rate",
+                     self.map_learning_rate, "a finite number > 0")
 
 
 def check_training_arguments(args) -> None:
@@ -287,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
             num_prompt_tokens=pt_args.num_prompt_tokens, num_ensemble=pt_args.num_ensemble,
             attention_type=pt_args.vt_attention_type, base_model=model_info.model_id,
             base_model_revision=model_info.revision, init_text=pt_args.init_text, deep=pt_args.deep,
+            map_rank=pt_args.map_rank,
             base_adapter=str(model_args.base_adapter or ""),
         )
         prompt_tokens = PromptTokens.from_text(base, tokenizer, config)
@@ -294,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer = PromptTokenTrainer(
         model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
         data_collator=PromptTokenCollator(num_prompt_tokens=pt_args.num_prompt_tokens),
+        map_learning_rate=pt_args.map_learning_rate,
     )
     resume = training_args.resume_from_checkpoint
     if resume in ("latest", "true", "True"):

@@ -51,8 +51,9 @@ def check_finite(prompt_tokens: PromptTokens, when: str) -> None:
 
 
 class PromptTokenTrainer(Trainer):
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, map_learning_rate: float | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.map_learning_rate = map_learning_rate  # the low-rank maps' own learning rate (None: the others')
         self.prompt_tokens: PromptTokens = self.model.prompt_tokens
         self.initial_eval: dict = {}  # the held-out evaluation before the first step
         # This process's training loss summed over every step of the run, the steps before a resumed checkpoint
@@ -61,6 +62,24 @@ class PromptTokenTrainer(Trainer):
         self.cuts_trained = 0  # examples (cuts) this process trained on in this call of train()
         self.last_rank_accuracy: list[list[float]] | None = None  # [N][K] of the latest evaluate()
         self.add_callback(_GuardAndRecord(self))
+
+    def create_optimizer(self, *args, **kwargs):
+        """Trainer's optimizer, with the low-rank maps of deep prompt tokens moved into a group of their own at
+        ``map_learning_rate`` (the scheduler, made after this, scales every group alike)."""
+        optimizer = super().create_optimizer(*args, **kwargs)
+        maps = [p for p in (self.prompt_tokens.map_down, self.prompt_tokens.map_up) if p is not None]
+        if self.map_learning_rate is None or not maps or any(optimizer.state.values()):
+            return optimizer
+        ids = {id(p) for p in maps}
+        template = None
+        for group in optimizer.param_groups:
+            if any(id(p) in ids for p in group["params"]):
+                template = group
+            group["params"] = [p for p in group["params"] if id(p) not in ids]
+        optimizer.param_groups = [g for g in optimizer.param_groups if g["params"]]
+        optimizer.add_param_group({**{k: v for k, v in template.items() if k != "params"}, "params": maps,
+                                   "lr": self.map_learning_rate})
+        return optimizer
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """The micro-batches of one optimizer step, and the number of cuts in them, summed over processes when

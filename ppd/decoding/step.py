@@ -24,7 +24,7 @@ from torch import nn
 from ..acceptance import accept_candidates, longest_accepted_path, sample_tokens, walk_tree
 from ..attention import LayerAttention, step_mask
 from ..config import DecodeConfig
-from ..deep_prompts import LayerOffsets
+from ..deep_prompts import DeepWeights, LayerOffsets
 from ..prefill import average_copies
 from .state import EOS, REPORT_HEAD, RUNNING, DecodeState
 from .kv_cache import cache_keyword
@@ -51,10 +51,10 @@ class LanguageModel:
     # Attention runs FlexAttention over a block mask made from the lengths (``ppd.decoding.tree_attention``)
     # instead of the model's own attention over a dense float mask.
     flex: bool = False
-    # Deep prompt tokens' hooks (``ppd.deep_prompts``), told each step which rows are prompt rows, and the
-    # offsets they add ([layers, 1 + N * V, hidden], the model's dtype): an input of the step like its tables.
+    # Deep prompt tokens' hooks (``ppd.deep_prompts``), told each step which rows are prompt rows, and what
+    # they add (offsets and low-rank maps, the model's dtype): inputs of the step like its tables.
     offsets: LayerOffsets | None = None
-    offset_table: torch.Tensor | None = None
+    offset_table: DeepWeights | None = None
     query_group: int = 1  # query heads per key head (FlexAttention's block masks lay their rows out by it)
     key_heads: int = 1  # key heads of an attention layer (a split FlexAttention step makes heads of its pieces)
     cache_key: str = "past_key_values"  # the keyword the body takes its KV cache by (``kv_cache.cache_keyword``)

@@ -2,7 +2,8 @@
 # Prompt tokens v4: deep prompt tokens (an offset per decoder layer at each prompt row, ppd/deep_prompts.py)
 # against plain ones, trained on the same self-distilled data as v3 and compared by held-out replay.
 # One GPU, one phase per call (each resumes what an earlier call left):
-#   WORK=/root/work bash results/train/v4/run.sh data|train|replay
+#   WORK=/root/work bash results/train/v4/run.sh data|train|maps|replay
+# `maps` (results/train/v6) trains deep prompt tokens with low-rank maps beside deep-e2 on the same data.
 set -u
 phase=${1:?phase}
 W=${WORK:-/root/work}; L=$W/logs; mkdir -p "$L"
@@ -54,9 +55,16 @@ train)  # the same two epochs, plain and deep, sharing the GPU
   train_run plain-e2 --num_train_epochs 2 --learning_rate 1e-2 &
   train_run deep-e2 --num_train_epochs 2 --learning_rate 1e-2 --deep &
   wait ;;
-replay)
-  for r in plain-e2 deep-e2; do heldout $r & done; wait
-  for r in plain-e2 deep-e2; do mt_bench $r & done; wait ;;
+maps)  # deep-e2 again, and with a rank-16 map per prompt token and layer at two map learning rates
+  train_run deep-e2 --num_train_epochs 2 --learning_rate 1e-2 --deep &
+  for lr in 1e-3 3e-3; do
+    train_run maps16-lr$lr --num_train_epochs 2 --learning_rate 1e-2 --deep --map_rank 16 --map_learning_rate $lr &
+  done
+  wait ;;
+replay)  # every run trained so far
+  runs=$(ls "$W/runs" 2>/dev/null)
+  for r in $runs; do heldout $r & done; wait
+  for r in $runs; do mt_bench $r & done; wait ;;
 esac
 for f in "$W"/runs/*/heldout.json "$W"/runs/*/mt_bench.json; do
   [ -f "$f" ] && python3 -c "
