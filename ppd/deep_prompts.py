@@ -119,10 +119,8 @@ def deep_weights(tokens, dtype: torch.dtype | None = None, detach: bool = False)
     rank = tokens.config.map_rank
     if not rank:
         return DeepWeights(padded)
-    rows = tokens.config.num_rows
-    select = torch.zeros(1 + rows, rows * rank, device=offsets.device, dtype=padded.dtype)
-    for row in range(rows):
-        select[1 + row, row * rank:(row + 1) * rank] = 1
+    own = torch.eye(tokens.config.num_rows, device=offsets.device, dtype=padded.dtype).repeat_interleave(rank, dim=1)
+    select = torch.cat([own.new_zeros(1, own.shape[1]), own])
     return DeepWeights(padded, cast(tokens.map_down), cast(tokens.map_up), select)
 
 
