@@ -4,6 +4,7 @@
 #   bash results/train/scaling/run.sh data      # self-distilled conversations (2 GPUs), 32 cuts each, forced-teacher targets
 #   bash results/train/scaling/run.sh speed     # examples/s: 1 process, then accelerate on 2 GPUs (eval.train_speed)
 #   bash results/train/scaling/run.sh quality   # one epoch on 1 GPU and on 2 (same and twice the global batch)
+#   RUNS="1:8::3e-3 2:8:1.4e-2:4.2e-3" bash results/train/scaling/run.sh quality   # chosen runs, with low-rank maps
 # Needs a 2-GPU machine (nvidia-h100-x2) and the staged packages (../shared/gpu/README.md). Every phase skips
 # what an earlier call finished; results go to $OUT/scaling.
 set -uo pipefail
@@ -11,8 +12,7 @@ export PYTHONPATH=/root/ppd-site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENI
 W=${WORK:-/root/work-scaling}; R=${OUT:-/tmp/out}/scaling
 mkdir -p "$W" "$R/logs"
 SAMPLES=${SAMPLES:-1500}; N=5; CUTS=32; STEPS=${STEPS:-200}
-TRAIN="--trainer_type distillation --lr_scheduler_type cosine --num_prompt_tokens 3
-  --learning_rate 1e-2 --deep --dataloader_num_workers 2"
+TRAIN="--trainer_type distillation --lr_scheduler_type cosine --num_prompt_tokens 3 --deep --dataloader_num_workers 2"
 TWO="accelerate launch --multi_gpu --num_processes 2"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$R/logs/gpu.txt"
 for phase in "$@"; do
@@ -30,19 +30,21 @@ for phase in "$@"; do
         --batch_tokens 131072 --max_batch_size 256 --shard_size 2048 > "$R/logs/targets.log" 2>&1 ;;
     speed)
       [ -f "$R/train_speed_1gpu.json" ] || CUDA_VISIBLE_DEVICES=0 python -m eval.train_speed --dataset_path "$W/sd-targets" \
-        --max_steps "$STEPS" --cuts_per_forward 0 --output "$R/train_speed_1gpu.json" -- $TRAIN --per_device_train_batch_size 8 \
+        --max_steps "$STEPS" --cuts_per_forward 0 --output "$R/train_speed_1gpu.json" -- $TRAIN --learning_rate 1e-2 --per_device_train_batch_size 8 \
         > "$R/logs/speed_1gpu.log" 2>&1
       [ -f "$R/train_speed_2gpu.json" ] || python -m eval.train_speed --dataset_path "$W/sd-targets" \
-        --max_steps "$STEPS" --cuts_per_forward 0 --launcher "$TWO" --output "$R/train_speed_2gpu.json" -- $TRAIN --per_device_train_batch_size 8 \
+        --max_steps "$STEPS" --cuts_per_forward 0 --launcher "$TWO" --output "$R/train_speed_2gpu.json" -- $TRAIN --learning_rate 1e-2 --per_device_train_batch_size 8 \
         > "$R/logs/speed_2gpu.log" 2>&1 ;;
-    quality)  # GPUS:PER_DEVICE_BATCH: one GPU; two at the same global batch (the same optimizer steps); two at
-              # twice the global batch (half the steps)
-      for run in 1:8 2:4 2:8; do
-        gpus=${run%:*}; per=${run#*:}; name=${gpus}gpu_b$per
-        out=$W/runs/e1-$name
+    quality)  # RUNS: GPUS:PER_DEVICE_BATCH[:LR[:MAP_LR]] ... (default: one GPU; two at the same global batch,
+              # the same optimizer steps; two at twice the global batch, half the steps). A MAP_LR adds rank-16
+              # low-rank maps trained at that rate (the shipped recipe, results/train/v6).
+      for run in ${RUNS:-1:8 2:4 2:8}; do
+        IFS=: read -r gpus per lr maplr <<< "$run"
+        name=${gpus}gpu_b$per${lr:+-lr$lr}${maplr:+-maps$maplr}; out=$W/runs/e1-$name
+        flags="--learning_rate ${lr:-1e-2}${maplr:+ --map_rank 16 --map_learning_rate $maplr}"
         launch="env CUDA_VISIBLE_DEVICES=0 python"; [ $gpus = 2 ] && launch=$TWO  # one process: one GPU visible
         [ -f "$out/training_log.json" ] || $launch -m train.train --dataset_path "$W/sd-targets" --output_dir "$out" \
-          $TRAIN --per_device_train_batch_size $per --num_train_epochs 1 --eval_size 0.05 \
+          $TRAIN $flags --per_device_train_batch_size $per --num_train_epochs 1 --eval_size 0.05 \
           --per_device_eval_batch_size 16 --save_strategy no > "$R/logs/quality_$name.log" 2>&1
         cp "$out/training_log.json" "$R/training_log_$name.json" 2>/dev/null
       done ;;

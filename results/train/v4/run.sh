@@ -3,7 +3,8 @@
 # against plain ones, trained on the same self-distilled data as v3 and compared by held-out replay.
 # One GPU, one phase per call (each resumes what an earlier call left):
 #   WORK=/root/work bash results/train/v4/run.sh data|train|maps|replay
-# `maps` (results/train/v6) trains deep prompt tokens with low-rank maps beside deep-e2 on the same data.
+# `maps` (results/train/v6) trains deep prompt tokens with low-rank maps beside deep-e2 on the same data;
+# `maps_e3` (results/train/v7) one run of rank-16 maps for 3 epochs at the map learning rate MAP_LR, alone.
 set -u
 phase=${1:?phase}
 W=${WORK:-/root/work}; L=$W/logs; mkdir -p "$L"
@@ -61,6 +62,9 @@ maps)  # deep-e2 again, and with a rank-16 map per prompt token and layer at two
     train_run maps16-lr$lr --num_train_epochs 2 --learning_rate 1e-2 --deep --map_rank 16 --map_learning_rate $lr &
   done
   wait ;;
+maps_e3)  # rank-16 maps, 3 epochs, map lr $MAP_LR (default 3e-3); run alone, its time is the training cost
+  lr=${MAP_LR:-3e-3}
+  train_run maps16-lr$lr-e3 --num_train_epochs 3 --learning_rate 1e-2 --deep --map_rank 16 --map_learning_rate $lr ;;
 replay)  # every run trained so far
   runs=$(ls "$W/runs" 2>/dev/null)
   for r in $runs; do heldout $r & done; wait
