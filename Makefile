@@ -30,7 +30,7 @@ webui: install
 	$(BIN)/python -m application.webui
 
 test: install
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache
