@@ -8,15 +8,15 @@
 set -euo pipefail
 O=results/train/v7/compare; W=${WORK:-/tmp/ppd-v7-compare}; mkdir -p "$O" "$W"
 [ -f "$W/prompts.jsonl" ] || python - "$W/prompts.jsonl" <<'PY'
-import json, sys
+import json, os, sys
 from ppd.conversations import load_conversations, user_texts
 records = load_conversations().records
-seen = {tuple(user_texts(r)[:1]) for r in records[:3000] if not isinstance(r, Exception)}
+seen = {tuple(user_texts(r)[:1]) for r in records[:3000]}
 with open(sys.argv[1] + ".tmp", "w") as out:
     for r in records[10000:10150]:
         if user_texts(r)[:1] and tuple(user_texts(r)[:1]) not in seen:
             out.write(json.dumps(r) + "\n")
-import os; os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+os.replace(sys.argv[1] + ".tmp", sys.argv[1])
 PY
 [ -d "$W/sd" ] || python -m data_gen.generate --dataset_type conversations --data_path "$W/prompts.jsonl" \
   --output_path "$W/sd" --max_turns 2 --max_new_tokens 256 --batch_size 64 --decode_method baseline \
