@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The shipped deep prompt tokens (low-rank maps since results/train/v6) on a GPU, in phases, one or more per device call:
+# The shipped deep prompt tokens (low-rank maps since results/train/v6; v7's trees) on a GPU, in phases, one or more per device call:
 #   bash results/deep_gpu/run.sh check profile pick     # GPU tests (compiled per test: ~9 min); kernels per step; policy
 #   bash results/deep_gpu/run.sh speed long load         # decoder throughput by batch; 8K context; HTTP server
 # Run after staging the packages (../shared/gpu/README.md; `load` also needs FastAPI and uvicorn staged).
@@ -17,7 +17,7 @@ cp -rn "$KEEP"/. "$R"/
 T0=$(date +%s)
 left() { local l=$(( ${DEADLINE:-570} - ($(date +%s) - T0) )); (( l > 540 )) && l=540; (( l < 1 )) && l=1; echo $l; }
 ADAPTER=ppd/adapters/smollm2-135m-instruct
-T=results/train/v6/runs/maps16-lr3e-3/trees
+T=results/train/v7/runs/maps16-lr3e-3-e3/trees
 TREES="$T/tree_8.json $T/tree_16.json $T/tree_32.json $T/tree_64.json $T/tree_128.json"
 BATCHES="1 2 4 8 16 32 64 128"
 ENGINE="--dtype bfloat16 --capture compiled_graph"
