@@ -31,7 +31,9 @@ def cut_off_after(monkeypatch, groups: int) -> None:
 
 def test_a_cut_off_batch_speed_run_is_finished_by_the_same_command(tmp_path, monkeypatch, capsys):
     output = tmp_path / "speed.json"
-    argv = ["--batch_sizes", "1", "2", "--max_new_tokens", "6", "--bench", "gsm8k", *CPU, "--output", str(output)]
+    # Batch 1 decodes three prompts one after another, batch 2 four (three, rounded up to whole batches).
+    argv = ["--batch_sizes", "1", "2", "--prompts", "3", "--max_new_tokens", "6", "--bench", "gsm8k", *CPU,
+            "--output", str(output)]
     cut_off_after(monkeypatch, 1)
     with pytest.raises(CutOff):
         batch_speed.main(argv)
@@ -64,7 +66,8 @@ def test_a_cut_off_batch_speed_run_is_finished_by_the_same_command(tmp_path, mon
                                                                       (2, "baseline"), (2, "ppd")]
     assert done["rows"][:2] == cut["rows"]  # kept as measured
     for row in done["rows"]:
-        assert row["identical_to_baseline"] == 1.0 and row["new_tokens"] == 6 * row["batch_size"]
+        assert row["prompts"] == {1: 3, 2: 4}[row["batch_size"]]
+        assert row["identical_to_baseline"] == 1.0 and row["new_tokens"] == 6 * row["prompts"]
         assert row["speedup"] == pytest.approx(row["tokens_per_s"] / next(
             r["tokens_per_s"] for r in done["rows"] if r["batch_size"] == row["batch_size"]
             and r["variant"] == "baseline"))

@@ -1,0 +1,58 @@
+"""Accept length of live PPD decoding, one MT-Bench first turn at a time, by dtype and capture mode.
+
+    python results/deep_gpu/accept_gap.py --modes float32:eager bfloat16:eager bfloat16:compiled_graph \
+        --questions 20 --max_new_tokens 128
+
+Replay of the same tokens and trees on the baseline's answers gives one figure for every dtype (2.52 at 64 rows
+on MT-Bench, fp32 and bf16 alike); this says whether the decoder reaches it live, mode by mode.
+"""
+
+import argparse
+import json
+import sys
+
+import torch
+
+from eval.benchmarks import load_benchmark
+from ppd.chat import chat_input_ids
+from ppd.config import DecodeConfig
+from ppd.ppd_model import PPDModel
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--modes", nargs="+", default=["float32:eager", "bfloat16:eager", "bfloat16:compiled_graph"])
+    parser.add_argument("--questions", type=int, default=20)
+    parser.add_argument("--max_new_tokens", type=int, default=128)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--output", default=None)
+    args = parser.parse_args()
+    questions = load_benchmark("mt_bench")[: args.questions]
+    results = {}
+    for mode in args.modes:
+        dtype, capture = mode.split(":")
+        ppd = PPDModel.from_pretrained(device=args.device, dtype=dtype)
+        dec = ppd.decoder
+        prompts = [chat_input_ids(ppd.tokenizer, [{"role": "user", "content": q.turns[0]}]) for q in questions]
+        config = DecodeConfig(method="ppd", max_new_tokens=args.max_new_tokens, capture=capture)
+        dec.generate(prompts[0], config)  # warm-up: compiles and captures
+        steps = tokens = 0
+        texts = []
+        for ids in prompts:
+            out = dec.generate(ids, config)
+            steps += out.steps
+            tokens += out.new_tokens
+            texts.append(out.token_ids)
+        results[mode] = {"accept_length": tokens / steps, "tokens": tokens, "steps": steps, "answers": texts}
+        print(f"{mode}: accept length {tokens / steps:.3f} ({tokens} tokens, {steps} steps, tree rows "
+              f"{dec.tables_for(1).num_rows if dec.tables_for(1) else 1})", flush=True)
+        del ppd, dec
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(results, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
