@@ -14,8 +14,10 @@ length is no measure of a benchmark's (MT-Bench's first question replays 1.98 to
 tree, its 80 first turns 2.32). ``ppd`` is the decoder as loaded (the adapter's batch policy when it
 ships one for this device and dtype: its tree for each bucket, or the one-row step); each ``--trees``
 file adds a ``ppd:<file>`` variant verifying every batch with that one tree set. Each batch size is
-warmed up untimed first (capture and compilation, and one short generation). Greedy outputs of every
-variant are compared with the baseline's. Writes JSON, a table and a plot of the speed-up by batch size.
+warmed up untimed first, every variant (capture and compilation, and one short generation) before any is
+timed; then each batch of prompts is decoded by every variant in turn before the next batch, so that a
+machine's drift falls on all variants alike. Greedy outputs of every variant are compared with the
+baseline's. Writes JSON, a table and a plot of the speed-up by batch size.
 Each batch size's rows are written to ``--output`` as soon as they are measured: a run cut off (a time limit,
 a machine taken back) keeps them, and the same command run again measures only the batch sizes missing; a
 cut-off file of other settings is refused (one line, exit status 2).
@@ -90,28 +92,37 @@ def run(args: argparse.Namespace) -> tuple[dict, PartialRun]:
             continue
         count = prompt_count(args.prompts, batch)
         batches = [prompts[i: i + batch] for i in range(0, count, batch)]
+        # Every variant compiles and captures first. The timed batches then take turns: each batch of prompts
+        # is decoded by every variant before the next, so that the machine's drift, and whatever follows a
+        # compilation, fall on all variants alike.
+        warmups = {}
+        for name, (dec, method) in variants.items():
+            before = len(dec.captures)
+            seconds = dec.warmup(batch_sizes=[batch], methods=[method], capture=args.capture)
+            # Where the warm-up went: each graph captured (the first of a step kind compiles it).
+            warmups[name] = (seconds, [{"tree": c.kind.tree, "batch_size": c.batch_size, "width": c.width,
+                                        "seconds": c.seconds} for c in dec.captures[before:]])
+            dec.generate(batches[0], DecodeConfig(method=method, max_new_tokens=8, capture=args.capture))
+        outs = {name: [] for name in variants}
+        walls = dict.fromkeys(variants, 0.0)
+        for inputs in batches:
+            for name, (dec, method) in variants.items():
+                config = DecodeConfig(method=method, max_new_tokens=args.max_new_tokens, capture=args.capture)
+                start = time.perf_counter()
+                outs[name] += dec.generate(inputs, config)
+                walls[name] += time.perf_counter() - start
         outputs, rows = {}, []
         for name, (dec, method) in variants.items():
-            config = DecodeConfig(method=method, max_new_tokens=args.max_new_tokens, capture=args.capture)
-            before = len(dec.captures)
-            warmup = dec.warmup(batch_sizes=[batch], methods=[method], capture=args.capture)
-            # Where the warm-up went: each graph captured (the first of a step kind compiles it).
-            captures = [{"tree": c.kind.tree, "batch_size": c.batch_size, "width": c.width, "seconds": c.seconds}
-                        for c in dec.captures[before:]]
-            dec.generate(batches[0], DecodeConfig(method=method, max_new_tokens=8, capture=args.capture))
-            outs, wall = [], 0.0
-            for inputs in batches:
-                start = time.perf_counter()
-                outs += dec.generate(inputs, config)
-                wall += time.perf_counter() - start
-            tokens = sum(o.new_tokens for o in outs)
-            steps = sum(o.steps for o in outs)
+            warmup, captures = warmups[name]
+            wall = walls[name]
+            tokens = sum(o.new_tokens for o in outs[name])
+            steps = sum(o.steps for o in outs[name])
             tables = dec.tables_for(batch_bucket(batch, exact)) if method == "ppd" else None
-            outputs[name] = [o.token_ids for o in outs]
+            outputs[name] = [o.token_ids for o in outs[name]]
             rows.append({"batch_size": batch, "variant": name, "tree_rows": tables.num_rows if tables else 1,
                          "prompts": count, "new_tokens": tokens, "wall_time_s": wall, "tokens_per_s": tokens / wall,
                          "accept_length": tokens / steps if steps else None, "warmup_s": warmup, "captures": captures,
-                         "max_steps": max(o.steps for o in outs)})
+                         "max_steps": max(o.steps for o in outs[name])})
             print(f"batch {batch:4d} | {name} | {tokens / wall:9.1f} tokens/s | accept length "
                   f"{tokens / max(steps, 1):.2f} | warm-up {warmup:.0f} s ({len(captures)} graphs, the slowest "
                   f"{max((c['seconds'] for c in captures), default=0):.0f} s)", file=sys.stderr)

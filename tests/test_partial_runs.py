@@ -72,10 +72,21 @@ def test_a_cut_off_batch_speed_run_is_finished_by_the_same_command(tmp_path, mon
             r["tokens_per_s"] for r in done["rows"] if r["batch_size"] == row["batch_size"]
             and r["variant"] == "baseline"))
 
-    # Finished, the same command measures again from the start (the usual overwrite).
+    # Finished, the same command measures again from the start (the usual overwrite). Every variant warms up
+    # before any is timed, and the timed batches take turns: each batch of prompts by every variant.
     warmed.clear()
+    timed = []
+    generate = Decoder.generate
+
+    def recorded_generate(self, input_ids, config=None, **overrides):
+        if config is not None and config.max_new_tokens == 6:
+            timed.append((config.method.value, len(input_ids)))
+        return generate(self, input_ids, config, **overrides)
+
+    monkeypatch.setattr(Decoder, "generate", recorded_generate)
     assert batch_speed.main(argv) == 0
     assert warmed == [1, 1, 2, 2]
+    assert timed == [("baseline", 1), ("ppd", 1)] * 3 + [("baseline", 2), ("ppd", 2)] * 2
 
 
 def test_partial_run_rules(tmp_path):

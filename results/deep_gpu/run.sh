@@ -2,6 +2,7 @@
 # The shipped deep prompt tokens (low-rank maps since results/train/v6; v7's trees) on a GPU, in phases, one or more per device call:
 #   bash results/deep_gpu/run.sh check profile pick     # GPU tests (compiled per test: ~9 min); kernels per step; policy
 #   bash results/deep_gpu/run.sh speed long load         # decoder throughput by batch; 8K context; HTTP server
+#   bash results/deep_gpu/run.sh tree128                 # batch 1-4: the policy's tree beside the 128-row one
 # Run after staging the packages (../shared/gpu/README.md; `load` also needs FastAPI and uvicorn staged).
 # Inductor's cache lives in /root/inductor and every phase's output is kept in /root/keep, so a later call
 # on the same warm machine reuses what an earlier one compiled and resumes a cut-off phase where it
@@ -46,6 +47,11 @@ atexit.register(lambda: print(compile_times(repr="str", aggregate=True), file=sy
 sys.argv[0] = "eval.batch_speed"; runpy.run_module("eval.batch_speed", run_name="__main__")' $ENGINE --batch_sizes $BATCHES --bench mt_bench --max_new_tokens 256 \
         --max_seq_len 1024 --output "$R/batch_speed_bfloat16.json" \
         --plot "$R/batch_speed_bfloat16.png" > "$R/logs/speed.log" 2>&1; rc=$? ;;
+    tree128)
+      # Batch 1-4 with the policy's 64-row tree and, beside it, the 128-row tree (MT-Bench replay 2.70 vs 2.52).
+      timeout $(left) python -m eval.batch_speed $ENGINE --batch_sizes 1 2 4 --bench mt_bench --max_new_tokens 256 \
+        --max_seq_len 1024 --trees $T/tree_128.json --output "$R/batch_speed_tree128.json" \
+        > "$R/logs/tree128.log" 2>&1; rc=$? ;;
     long)
       timeout $(left) python -m eval.long_context --attention flex --contexts 1024 8192 --batch_sizes 1 16 \
         --methods ppd baseline hf_static --max_new_tokens 128 --dtype bfloat16 --max_seq_len 8448 \
