@@ -103,13 +103,14 @@ def run(args: argparse.Namespace) -> tuple[dict, PartialRun]:
             warmups[name] = (seconds, [{"tree": c.kind.tree, "batch_size": c.batch_size, "width": c.width,
                                         "seconds": c.seconds} for c in dec.captures[before:]])
             dec.generate(batches[0], DecodeConfig(method=method, max_new_tokens=8, capture=args.capture))
+        configs = {name: DecodeConfig(method=method, max_new_tokens=args.max_new_tokens, capture=args.capture)
+                   for name, (_, method) in variants.items()}
         outs = {name: [] for name in variants}
         walls = dict.fromkeys(variants, 0.0)
         for inputs in batches:
-            for name, (dec, method) in variants.items():
-                config = DecodeConfig(method=method, max_new_tokens=args.max_new_tokens, capture=args.capture)
+            for name, (dec, _) in variants.items():
                 start = time.perf_counter()
-                outs[name] += dec.generate(inputs, config)
+                outs[name] += dec.generate(inputs, configs[name])
                 walls[name] += time.perf_counter() - start
         outputs, rows = {}, []
         for name, (dec, method) in variants.items():

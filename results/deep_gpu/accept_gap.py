@@ -15,8 +15,7 @@ import sys
 
 import torch
 
-from eval.benchmarks import load_benchmark
-from ppd.chat import chat_input_ids
+from eval.batch_speed import prompts_for
 from ppd.config import DecodeConfig
 from ppd.ppd_model import PPDModel
 
@@ -29,13 +28,12 @@ def main() -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
-    questions = load_benchmark("mt_bench")[: args.questions]
     results = {}
     for mode in args.modes:
         dtype, capture = mode.split(":")
         ppd = PPDModel.from_pretrained(device=args.device, dtype=dtype)
         dec = ppd.decoder
-        prompts = [chat_input_ids(ppd.tokenizer, [{"role": "user", "content": q.turns[0]}]) for q in questions]
+        prompts = prompts_for(ppd.tokenizer, "mt_bench", args.questions)  # the first turns, as eval.batch_speed's
         config = DecodeConfig(method="ppd", max_new_tokens=args.max_new_tokens, capture=capture)
         dec.generate(prompts[0], config)  # warm-up: compiles and captures
         steps = tokens = 0
@@ -46,8 +44,9 @@ def main() -> int:
             tokens += out.new_tokens
             texts.append(out.token_ids)
         results[mode] = {"accept_length": tokens / steps, "tokens": tokens, "steps": steps, "answers": texts}
+        tables = dec.tables_for(1)
         print(f"{mode}: accept length {tokens / steps:.3f} ({tokens} tokens, {steps} steps, tree rows "
-              f"{dec.tables_for(1).num_rows if dec.tables_for(1) else 1})", flush=True)
+              f"{tables.num_rows if tables else 1})", flush=True)
         del ppd, dec
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
