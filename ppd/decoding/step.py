@@ -29,7 +29,7 @@ from ..prefill import average_copies
 from .state import EOS, REPORT_HEAD, RUNNING, DecodeState
 from .kv_cache import cache_keyword
 from .support import LogitTransform, UnsupportedModelError, checked_transform, refuse_by_design
-from . import tree_attention
+from . import grouped_attention, tree_attention
 from .tables import TreeTables
 
 
@@ -83,9 +83,14 @@ class LanguageModel:
         return self.transform(self.head(hidden))
 
     def stepping(self):
-        """The context a step's forward runs in: the model's attention layers switched to ppd's FlexAttention
-        function where :attr:`flex` is set (host side: entered around the compiled or captured call)."""
-        return tree_attention.active(self.body.config) if self.flex else contextlib.nullcontext()
+        """The context a step's forward runs in (host side: entered around the compiled or captured call): the
+        model's attention layers switched to ppd's FlexAttention function where :attr:`flex` is set, else to
+        SDPA over the unrepeated key heads where :func:`grouped_attention.applies`."""
+        if self.flex:
+            return tree_attention.active(self.body.config)
+        if grouped_attention.applies(self.body.config, self.query_group):
+            return grouped_attention.active(self.body.config)
+        return contextlib.nullcontext()
 
 
 @dataclass(frozen=True)

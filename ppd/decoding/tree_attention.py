@@ -38,7 +38,6 @@ everything else keep the model's own attention.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 
@@ -46,6 +45,7 @@ import torch
 from torch.nn.attention.flex_attention import AuxOutput, AuxRequest, BlockMask, flex_attention
 
 from ..attention import within_window
+from . import attention_switch
 
 NAME = "ppd_tree_flex"  # the attention implementation this module registers with transformers
 BLOCK = 128  # FlexAttention's sparse block size, in query rows and in key slots
@@ -300,35 +300,13 @@ def _split_attention(attend, query: torch.Tensor, key: torch.Tensor, value: torc
 
 def register() -> None:
     """Make :data:`NAME` an attention implementation transformers' layers can look up (idempotent)."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(NAME, tree_attention)
+    attention_switch.register(NAME, tree_attention)
 
 
-def _configs(config) -> list:
-    """The config and every sub-config under it (a multimodal model's text config among them)."""
-    found = [config]
-    for name in getattr(config, "sub_configs", {}) or {}:
-        sub = getattr(config, name, None)
-        if sub is not None and hasattr(sub, "_attn_implementation_internal"):
-            found += _configs(sub)
-    return found
-
-
-@contextlib.contextmanager
 def active(model_config):
     """Within this block, the model's attention layers run :func:`tree_attention`; the model's own
     implementation (per config and sub-config) comes back afterwards, whatever happens inside."""
-    register()
-    configs = _configs(model_config)
-    saved = [c._attn_implementation_internal for c in configs]
-    try:
-        for c in configs:
-            c._attn_implementation_internal = NAME
-        yield
-    finally:
-        for c, name in zip(configs, saved):
-            c._attn_implementation_internal = name
+    return attention_switch.switched(model_config, NAME, tree_attention)
 
 
 __all__ = ["BLOCK", "MIN_CHUNK", "NAME", "SPLIT_BELOW", "active", "kv_chunks", "reference_attention", "register",

@@ -4,9 +4,10 @@ the baseline won).
 
 End-to-end decoding of 32+ MT-Bench first turns per batch size is the measure here, not `eval.pick_tree`'s
 step timing at one context length, which overstated what trees gain (see compose_policy.py). A bucket the
-run did not time keeps what it had.
+run did not time, or that the command does not name after the file, keeps what it had.
 
     python results/deep_gpu/install_fastest.py results/deep_gpu/h200/v7/batch_speed_tree128_b1-4.json
+    python results/deep_gpu/install_fastest.py results/deep_gpu/h200/v7/batch_speed_grouped_heads.json 8
 """
 
 import json
@@ -16,14 +17,14 @@ from ppd.policy import BatchPolicy
 from ppd.prompt_tokens import packaged_adapter
 from ppd.tree import TreeSet
 
-measured_path = sys.argv[1]
+measured_path, only = sys.argv[1], {int(b) for b in sys.argv[2:]}
 measured = json.load(open(measured_path))
 extra = {f"ppd:{t.rsplit('/', 1)[-1]}": t for t in measured["settings"]["trees"] or []}
 target = packaged_adapter("HuggingFaceTB/SmolLM2-135M-Instruct") / "policy_cuda_bfloat16.json"
 policy = BatchPolicy.load(target)
 trees = list(policy.trees)
 picks = []
-for batch in sorted({r["batch_size"] for r in measured["rows"]}):
+for batch in sorted({r["batch_size"] for r in measured["rows"]} & (only or {r["batch_size"] for r in measured["rows"]})):
     rows = [r for r in measured["rows"] if r["batch_size"] == batch]
     best = max(rows, key=lambda r: r["tokens_per_s"])
     if batch not in policy.buckets:
@@ -39,8 +40,16 @@ for batch in sorted({r["batch_size"] for r in measured["rows"]}):
     picks.append({"batch_size": batch, "tree": source, "tree_rows": best["tree_rows"],
                   "speedup": round(best["speedup"], 3), "accept_length": round(best["accept_length"], 3),
                   "beside": {r["variant"]: round(r["speedup"], 3) for r in rows}})
-metadata = {**policy.metadata, "end_to_end_picks": {"from": measured_path, "device": measured["device"],
-                                                    "command": measured["command"], "picks": picks}}
+earlier = policy.metadata.get("end_to_end_picks", [])
+earlier = [earlier] if isinstance(earlier, dict) else earlier
+same = {p["batch_size"] for p in picks}
+earlier = [e for e in earlier if e["from"] != measured_path or {p["batch_size"] for p in e["picks"]} != same]  # run again
+metadata = {**policy.metadata, "end_to_end_picks": earlier + [{"from": measured_path, "device": measured["device"],
+                                                              "command": measured["command"], "picks": picks}]}
+off = metadata.get("switched_off")
+if off:  # an earlier run's list of buckets without a tree: drop those that get one now
+    given = {p["batch_size"] for p in picks if p["tree"] is not None}
+    metadata["switched_off"] = {**off, "batch_sizes": [b for b in off["batch_sizes"] if b not in given]}
 shipped = BatchPolicy(policy.buckets, tuple(trees), metadata)
 shipped.save(target)
 print(f"{shipped.describe()}\nwritten to {target}")

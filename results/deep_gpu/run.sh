@@ -3,6 +3,7 @@
 #   bash results/deep_gpu/run.sh check profile pick     # GPU tests (compiled per test: ~9 min); kernels per step; policy
 #   bash results/deep_gpu/run.sh speed long load         # decoder throughput by batch; 8K context; HTTP server
 #   bash results/deep_gpu/run.sh tree128                 # batch 1-4: the policy's tree beside the 128-row one
+#   bash results/deep_gpu/run.sh grouped repeated        # every batch, trees of 16 and 64 rows beside; key heads repeated
 # Run after staging the packages (../shared/gpu/README.md; `load` also needs FastAPI and uvicorn staged).
 # Inductor's cache lives in /root/inductor and every phase's output is kept in /root/keep, so a later call
 # on the same warm machine reuses what an earlier one compiled and resumes a cut-off phase where it
@@ -16,7 +17,8 @@ cp -rn "$KEEP"/. "$R"/
 # Phases share one deadline (DEADLINE seconds from the start, default 570: a device call's 600 s less the
 # copying): each gets what is left, at most 540 s.
 T0=$(date +%s)
-left() { local l=$(( ${DEADLINE:-570} - ($(date +%s) - T0) )); (( l > 540 )) && l=540; (( l < 1 )) && l=1; echo $l; }
+# PHASE_CAP (default 540) caps one phase; a run in the background between calls may lift it.
+left() { local l=$(( ${DEADLINE:-570} - ($(date +%s) - T0) )); (( l > ${PHASE_CAP:-540} )) && l=${PHASE_CAP:-540}; (( l < 1 )) && l=1; echo $l; }
 ADAPTER=ppd/adapters/smollm2-135m-instruct
 T=results/train/v7/runs/maps16-lr3e-3-e3/trees
 TREES="$T/tree_8.json $T/tree_16.json $T/tree_32.json $T/tree_64.json $T/tree_128.json"
@@ -52,6 +54,17 @@ sys.argv[0] = "eval.batch_speed"; runpy.run_module("eval.batch_speed", run_name=
       timeout $(left) python -m eval.batch_speed $ENGINE --batch_sizes 1 2 4 --bench mt_bench --max_new_tokens 256 \
         --max_seq_len 1024 --trees $T/tree_128.json --output "$R/batch_speed_tree128.json" \
         > "$R/logs/tree128.log" 2>&1; rc=$? ;;
+    grouped)
+      # Every batch size with SDPA over the unrepeated key heads (the default since this phase was added),
+      # the policy's trees beside the 16- and 64-row ones: whether a tree now pays from batch 8 up.
+      timeout $(left) python -m eval.batch_speed $ENGINE --batch_sizes $BATCHES --bench mt_bench --max_new_tokens 256 \
+        --max_seq_len 1024 --trees $T/tree_16.json $T/tree_64.json --output "$R/batch_speed_grouped.json" \
+        --plot "$R/batch_speed_grouped.png" > "$R/logs/grouped.log" 2>&1; rc=$? ;;
+    repeated)
+      # The same engine with transformers' SDPA function, which repeats each key head per query head.
+      PPD_GROUPED_SDPA=off timeout $(left) python -m eval.batch_speed $ENGINE --batch_sizes 1 16 64 128 --bench mt_bench \
+        --max_new_tokens 256 --max_seq_len 1024 --output "$R/batch_speed_repeated_heads.json" \
+        > "$R/logs/repeated.log" 2>&1; rc=$? ;;
     long)
       timeout $(left) python -m eval.long_context --attention flex --contexts 1024 8192 --batch_sizes 1 16 \
         --methods ppd baseline hf_static --max_new_tokens 128 --dtype bfloat16 --max_seq_len 8448 \
