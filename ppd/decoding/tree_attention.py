@@ -298,16 +298,11 @@ def _split_attention(attend, query: torch.Tensor, key: torch.Tensor, value: torc
     return (merged / weight.sum(2)[..., None]).to(out.dtype)
 
 
-def register() -> None:
-    """Make :data:`NAME` an attention implementation transformers' layers can look up (idempotent)."""
-    attention_switch.register(NAME, tree_attention)
-
-
 def active(model_config):
     """Within this block, the model's attention layers run :func:`tree_attention`; the model's own
     implementation (per config and sub-config) comes back afterwards, whatever happens inside."""
     return attention_switch.switched(model_config, NAME, tree_attention)
 
 
-__all__ = ["BLOCK", "MIN_CHUNK", "NAME", "SPLIT_BELOW", "active", "kv_chunks", "reference_attention", "register",
+__all__ = ["BLOCK", "MIN_CHUNK", "NAME", "SPLIT_BELOW", "active", "kv_chunks", "reference_attention",
            "tree_attention", "tree_block_mask", "visible"]
