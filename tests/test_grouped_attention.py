@@ -27,9 +27,16 @@ def _tensors(mask_dtype=torch.float32):
     return q, k, v, mask
 
 
+@pytest.mark.parametrize("mode", ["auto", "folded"])
 @pytest.mark.parametrize("mask_dtype", [torch.float32, torch.bool])
-def test_equals_transformers_sdpa(mask_dtype):
+@pytest.mark.parametrize("per_head", [False, True])
+def test_equals_transformers_sdpa(mode, mask_dtype, per_head, monkeypatch):
+    """Both layouts, a mask shared by every head or one per query head."""
+    monkeypatch.setenv("PPD_GROUPED_SDPA", mode)
     q, k, v, mask = _tensors(mask_dtype)
+    if per_head:
+        mask = torch.cat([mask, mask.flip(-1)] * 3, dim=1)  # [B, 6, T, W]: heads see different keys
+        mask[..., 0] = True if mask_dtype == torch.bool else 0.0
     own = grouped_attention._own_sdpa()
     got, _ = grouped_attention.grouped_sdpa(_Layer(), q, k, v, mask, scaling=0.25)
     want, _ = own(_Layer(), q, k, v, mask, scaling=0.25)
@@ -49,10 +56,11 @@ def test_hands_other_cases_to_transformers(monkeypatch):
     assert len(calls) == 3 and calls[1]["softcap"] == 30.0
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-def test_dense_step_runs_it_and_matches_repeated_heads(arch, monkeypatch):
+@pytest.mark.parametrize("arch,mode", [("llama", "auto"), ("qwen2", "auto"), ("mistral", "auto"), ("llama", "folded")])
+def test_dense_step_runs_it_and_matches_repeated_heads(arch, mode, monkeypatch):
     """A tree step of a model with grouped query heads calls the function once per layer, and its logits
     are those of the same step through transformers' SDPA (``PPD_GROUPED_SDPA=off``)."""
+    monkeypatch.setenv("PPD_GROUPED_SDPA", mode)
     model = tiny_model(arch, seed=3)
     decoder = Decoder(model, random_prompt_tokens(model, n=3, v=2, seed=3), random_tree_set(3, size=10))
     prompt = [(5 * i + 1) % model.config.vocab_size for i in range(11)]
@@ -83,5 +91,5 @@ def test_applies_only_to_grouped_sdpa_models(monkeypatch):
     monkeypatch.setenv("PPD_GROUPED_SDPA", "off")
     assert not grouped_attention.applies(llama.config, 2)
     monkeypatch.setenv("PPD_GROUPED_SDPA", "yes")
-    with pytest.raises(ValueError, match="PPD_GROUPED_SDPA must be auto or off"):
+    with pytest.raises(ValueError, match="PPD_GROUPED_SDPA must be one of auto, off, folded"):
         grouped_attention.applies(llama.config, 2)

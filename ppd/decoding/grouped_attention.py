@@ -9,11 +9,17 @@ module's function hands SDPA the unrepeated cache with ``enable_gqa=True`` inste
 scale: the result is the repeated one's up to float summation order.
 
 On one H200 (bf16, `results/deep_gpu/attention_feed.py`, 30 layers of the default model: rotary embedding,
-cache write, attention over 512 slots, compiled and captured), the repeat cost per step: batch 1, one row
-329 us against 251; batch 16, a 64-row tree 1,136 against 803; batch 64, one row 1,877 against 378.
+cache write, attention over 512 slots, compiled and captured; another job shared the GPU), per step with the
+repeat and without: batch 1, one row 329 us against 251; batch 16, a 64-row tree 1,136 against 803; batch 64,
+one row 1,877 against 378.
 
 Used by the dense step (``LanguageModel.stepping``) where the model's own implementation is ``sdpa`` and it
-groups its query heads; ``PPD_GROUPED_SDPA=off`` keeps transformers' function (for comparison). Anything
+groups its query heads; ``PPD_GROUPED_SDPA=off`` keeps transformers' function (for comparison), and
+``PPD_GROUPED_SDPA=folded`` (experimental, not timed end to end yet) lays a step of several rows out as one
+query head per key head instead, the group's heads one after another in its rows, with the mask repeated for
+them: in the same diagnostic (its rows ordered head within row, the same work), a batch-16 step of 64 rows
+took 669 us that way against 803 with ``enable_gqa`` and batch 64 with 17 rows 905 against 1,587, but batch 1
+with 64 rows 458 against 415. Anything
 this function does not handle itself (no mask, attention dropout, soft-capping, attention sinks, equal head
 counts) goes to transformers' own SDPA function unchanged.
 """
@@ -29,12 +35,20 @@ from . import attention_switch
 NAME = "ppd_grouped_sdpa"  # the attention implementation this module registers with transformers
 
 
+MODES = ("auto", "off", "folded")
+
+
+def mode() -> str:
+    """``PPD_GROUPED_SDPA``: ``auto`` (the default), ``off`` or ``folded`` (see the module docstring)."""
+    found = os.environ.get("PPD_GROUPED_SDPA", "auto")
+    if found not in MODES:
+        raise ValueError(f"PPD_GROUPED_SDPA must be one of {', '.join(MODES)}, got {found!r}")
+    return found
+
+
 def enabled() -> bool:
-    """Whether ``PPD_GROUPED_SDPA`` (``auto``, the default, or ``off``) lets dense steps use this function."""
-    mode = os.environ.get("PPD_GROUPED_SDPA", "auto")
-    if mode not in ("auto", "off"):
-        raise ValueError(f"PPD_GROUPED_SDPA must be auto or off, got {mode!r}")
-    return mode == "auto"
+    """Whether ``PPD_GROUPED_SDPA`` lets dense steps use this function."""
+    return mode() != "off"
 
 
 def _own_sdpa():
@@ -46,12 +60,23 @@ def _own_sdpa():
 def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                  dropout: float = 0.0, scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function interface: query [B, Hq, T, D], key and value [B, Hkv, W, D] with
-    Hkv dividing Hq, a float or bool mask [B, 1, T, W]; returns [B, T, Hq, Dv]."""
+    Hkv dividing Hq, a float or bool mask [B, 1 or Hq, T, W]; returns [B, T, Hq, Dv]."""
     if (not isinstance(attention_mask, torch.Tensor) or dropout or kwargs.get("softcap")
             or kwargs.get("s_aux") is not None or query.shape[1] == key.shape[1]):
         return _own_sdpa()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True)
+    batch, heads, rows, dim = query.shape
+    if rows > 1 and mode() == "folded":
+        key_heads = key.shape[1]
+        group = heads // key_heads
+        # Row j * T + t of key head k is row t of query head k * group + j; the mask's rows repeat per head.
+        folded = query.reshape(batch, key_heads, group * rows, dim)
+        mask = attention_mask.repeat(1, 1, group, 1) if attention_mask.shape[1] == 1 else \
+            attention_mask.reshape(batch, key_heads, group * rows, -1)
+        out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
+        out = out.reshape(batch, heads, rows, -1)
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -68,4 +93,4 @@ def applies(model_config, query_group: int) -> bool:
             and all(c._attn_implementation == "sdpa" for c in attention_switch.configs_of(model_config)))
 
 
-__all__ = ["NAME", "active", "applies", "enabled", "grouped_sdpa"]
+__all__ = ["MODES", "NAME", "active", "applies", "enabled", "grouped_sdpa", "mode"]

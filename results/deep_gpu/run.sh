@@ -4,7 +4,8 @@
 #   bash results/deep_gpu/run.sh speed long load         # decoder throughput by batch; 8K context; HTTP server
 #   bash results/deep_gpu/run.sh tree128                 # batch 1-4: the policy's tree beside the 128-row one
 #   bash results/deep_gpu/run.sh grouped repeated        # every batch, trees of 16 and 64 rows beside; key heads repeated
-#   bash results/deep_gpu/run.sh gap                     # the policy's tree on the baseline's decoder and on its own
+#   bash results/deep_gpu/run.sh gap folded              # the policy's tree on the baseline's decoder and on its own;
+#                                                        # query heads folded into rows (PPD_GROUPED_SDPA=folded)
 # Run after staging the packages (../shared/gpu/README.md; `load` also needs FastAPI and uvicorn staged).
 # Inductor's cache lives in /root/inductor and every phase's output is kept in /root/keep, so a later call
 # on the same warm machine reuses what an earlier one compiled and resumes a cut-off phase where it
@@ -66,6 +67,12 @@ sys.argv[0] = "eval.batch_speed"; runpy.run_module("eval.batch_speed", run_name=
       PPD_GROUPED_SDPA=off timeout $(left) python -m eval.batch_speed $ENGINE --batch_sizes 1 16 64 128 --bench mt_bench \
         --max_new_tokens 256 --max_seq_len 1024 --output "$R/batch_speed_repeated_heads.json" \
         > "$R/logs/repeated.log" 2>&1; rc=$? ;;
+    folded)
+      # The experimental layout of ppd/decoding/grouped_attention.py (query heads folded into the rows) where
+      # trees lost to the one-row step with enable_gqa (batch 16 up), the 16- and 64-row trees.
+      PPD_GROUPED_SDPA=folded timeout $(left) python -m eval.batch_speed $ENGINE --batch_sizes 8 16 32 64 --bench mt_bench \
+        --max_new_tokens 256 --max_seq_len 1024 --trees $T/tree_16.json $T/tree_64.json \
+        --output "$R/batch_speed_folded.json" > "$R/logs/folded.log" 2>&1; rc=$? ;;
     gap)
       # The policy's own 128-row tree twice: as the policy, on the decoder that also runs the baseline, and as
       # a --trees variant on a decoder of its own (0.4-0.5 ms a step apart at batch 1 in the sixth session).
