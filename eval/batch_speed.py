@@ -70,6 +70,11 @@ def prompt_count(prompts: int, batch: int) -> int:
     return -(-max(prompts, batch) // batch) * batch
 
 
+def variant_name(tree_file: str) -> str:
+    """The name a ``--trees`` file's variant goes by in the rows: ``ppd:<file name>``."""
+    return f"ppd:{Path(tree_file).name}"
+
+
 def run(args: argparse.Namespace) -> tuple[dict, PartialRun]:
     """Every batch size's rows (those a cut-off run of the same settings left in ``--output`` are not measured
     again), and the record that writes them."""
@@ -81,7 +86,7 @@ def run(args: argparse.Namespace) -> tuple[dict, PartialRun]:
     exact = not captures_graphs(resolve_mode(args.capture, device))
     variants = {"baseline": (decoder, "baseline"), "ppd": (decoder, "ppd")}
     for name in args.trees:
-        variants[f"ppd:{Path(name).name}"] = (decoder.with_trees(TreeSet.load(name)), "ppd")
+        variants[variant_name(name)] = (decoder.with_trees(TreeSet.load(name)), "ppd")
     header = {"model": loaded.info.model_id, "adapter": loaded.adapter, "tree": loaded.tree, "bench": args.bench,
               "max_new_tokens": args.max_new_tokens, "capture": args.capture,
               "dtype": str(decoder.dtype).removeprefix("torch."), **environment(device)}

@@ -32,8 +32,8 @@ import torch
 
 from . import attention_switch
 
-NAME = "ppd_grouped_sdpa"  # the attention implementation this module registers with transformers
-
+NAME = "ppd_grouped_sdpa"  # the attention implementations this module registers with transformers
+FOLDED_NAME = "ppd_grouped_sdpa_folded"
 
 MODES = ("auto", "off", "folded")
 
@@ -58,14 +58,16 @@ def _own_sdpa():
 
 
 def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
-                 dropout: float = 0.0, scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                 dropout: float = 0.0, scaling: float | None = None, folded: bool = False,
+                 **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function interface: query [B, Hq, T, D], key and value [B, Hkv, W, D] with
-    Hkv dividing Hq, a float or bool mask [B, 1 or Hq, T, W]; returns [B, T, Hq, Dv]."""
+    Hkv dividing Hq, a float or bool mask [B, 1 or Hq, T, W]; returns [B, T, Hq, Dv]. ``folded``: a step of
+    several rows lays its query heads out as rows of their key head (:func:`folded_sdpa`)."""
     if (not isinstance(attention_mask, torch.Tensor) or dropout or kwargs.get("softcap")
             or kwargs.get("s_aux") is not None or query.shape[1] == key.shape[1]):
         return _own_sdpa()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     batch, heads, rows, dim = query.shape
-    if rows > 1 and mode() == "folded":
+    if rows > 1 and folded:
         key_heads = key.shape[1]
         group = heads // key_heads
         # Row j * T + t of key head k is row t of query head k * group + j; the mask's rows repeat per head.
@@ -80,9 +82,18 @@ def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
     return out.transpose(1, 2).contiguous(), None
 
 
+def folded_sdpa(*args, **kwargs) -> tuple[torch.Tensor, None]:
+    """:func:`grouped_sdpa` with the folded layout (``PPD_GROUPED_SDPA=folded``), registered under a name of its
+    own so that the choice is made once per step on the host, never inside a compiled forward."""
+    return grouped_sdpa(*args, folded=True, **kwargs)
+
+
 def active(model_config):
-    """Within this block, the model's attention layers run :func:`grouped_sdpa`; the model's own
-    implementation comes back afterwards, whatever happens inside."""
+    """Within this block, the model's attention layers run :func:`grouped_sdpa` (or :func:`folded_sdpa`, as
+    ``PPD_GROUPED_SDPA`` says); the model's own implementation comes back afterwards, whatever happens
+    inside."""
+    if mode() == "folded":
+        return attention_switch.switched(model_config, FOLDED_NAME, folded_sdpa)
     return attention_switch.switched(model_config, NAME, grouped_sdpa)
 
 
@@ -93,4 +104,4 @@ def applies(model_config, query_group: int) -> bool:
             and all(c._attn_implementation == "sdpa" for c in attention_switch.configs_of(model_config)))
 
 
-__all__ = ["MODES", "NAME", "active", "applies", "enabled", "grouped_sdpa", "mode"]
+__all__ = ["FOLDED_NAME", "MODES", "NAME", "active", "applies", "enabled", "folded_sdpa", "grouped_sdpa", "mode"]

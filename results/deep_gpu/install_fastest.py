@@ -13,13 +13,14 @@ run did not time, or that the command does not name after the file, keeps what i
 import json
 import sys
 
+from eval.batch_speed import variant_name
 from ppd.policy import BatchPolicy
 from ppd.prompt_tokens import packaged_adapter
 from ppd.tree import TreeSet
 
 measured_path, only = sys.argv[1], {int(b) for b in sys.argv[2:]}
 measured = json.load(open(measured_path))
-extra = {f"ppd:{t.rsplit('/', 1)[-1]}": t for t in measured["settings"]["trees"] or []}
+extra = {variant_name(t): t for t in measured["settings"]["trees"] or []}
 target = packaged_adapter("HuggingFaceTB/SmolLM2-135M-Instruct") / "policy_cuda_bfloat16.json"
 policy = BatchPolicy.load(target)
 trees = list(policy.trees)
