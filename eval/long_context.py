@@ -11,9 +11,11 @@ batch row's prompt is one user message in the model's chat template: a transcrip
 ("User: ...", "Assistant: ..." from consecutive conversations, cut at a token so that the whole prompt has
 between P - 16 and P tokens), a blank line, then a real ShareGPT question (the first user turn of the
 conversation that follows the transcript). Rows end on different conversations, so a batch holds prompts of
-(slightly) different lengths. A context that leaves fewer than 128 prompt tokens, or that is larger than the
-decoder's capacity (``--max_seq_len``, at most the model's context window), is refused before anything decodes
-(one line, exit status 2).
+(slightly) different lengths. Each ``--trees`` file adds a PPD variant ``ppd:<file name>``, a decoder of
+its own over that tree set, timed beside the methods on the same prompts. A
+context that leaves fewer than 128 prompt tokens, or that is larger than the decoder's capacity
+(``--max_seq_len``, at most the model's context window), is refused before anything decodes (one line, exit
+status 2).
 
 For each context, batch size and method: untimed warm-up (``ppd``/``baseline``: capture and compilation, then
 one short generation; ``hf_static``: two whole generations at the same shape, which compile on a GPU, one on a
@@ -24,7 +26,7 @@ before). Its prefill time is the time until the prefill's tokens were read back 
 batch) / (wall time - prefill time); end-to-end throughput is new tokens / wall time. Greedy outputs are
 compared with the baseline's (``hf_static``'s without a baseline). A combination that runs out of GPU memory
 is recorded with its error and the run goes on. Writes JSON, a markdown table and a plot of PPD's decode-only
-speed-up over the baseline by context length (one line per batch size). Each context and batch size is
+speed-up over the baseline by context length (one line per batch size and PPD variant). Each context and batch size is
 written to ``--output`` once all its methods are measured; the same command run again after a cut-off run
 measures only what is missing (a cut-off file of other settings is refused: one line, exit status 2).
 """
@@ -46,7 +48,9 @@ from ppd.config import DecodeConfig
 from ppd.conversations import MalformedRecord, load_conversations, to_messages
 from ppd.decoding.graphs import compile_limits
 from ppd.teacher import left_padded
+from ppd.tree import TreeSet
 
+from .batch_speed import variant_name
 from .records import PartialRun, SettingsMismatch, environment, run_settings
 
 METHODS = ("ppd", "baseline", "hf_static")
@@ -70,6 +74,8 @@ def make_parser() -> argparse.ArgumentParser:
                         help="context lengths: prompt tokens plus max_new_tokens")
     parser.add_argument("--batch_sizes", nargs="+", type=int, default=[1, 4, 16, 32])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--trees", nargs="*", default=[],
+                        help="tree-set files each added as a PPD variant (ppd:<file name>) beside the methods")
     parser.add_argument("--max_new_tokens", type=int, default=128)
     parser.add_argument("--data_path", default=None,
                         help="conversations the prompts are cut from (default: the embedded ShareGPT file)")
@@ -220,9 +226,10 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a and b else None
 
 
-def measure(loaded, method: str, prompts: list[list[int]], args: argparse.Namespace) -> dict:
-    """Warm up, then time the whole generation of one batch and its prefill."""
-    decoder = loaded.decoder
+def measure(loaded, method: str, prompts: list[list[int]], args: argparse.Namespace, decoder=None) -> dict:
+    """Warm up, then time the whole generation of one batch and its prefill (``method`` on ``decoder``,
+    default the loaded one)."""
+    decoder = decoder or loaded.decoder
     device = decoder.device
     batch = len(prompts)
     warmup_s = None
@@ -266,8 +273,14 @@ def _free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def is_ppd(method: str) -> bool:
+    """Whether a row's method is PPD: the decoder as loaded, or a ``--trees`` variant."""
+    return method == "ppd" or method.startswith("ppd:")
+
+
 def _compare(rows: list[dict], methods: list[str]) -> None:
-    """Identical-output shares against the reference and PPD's speed-ups, on the rows of one context and batch."""
+    """Identical-output shares against the reference and each PPD variant's speed-ups, on the rows of one
+    context and batch."""
     here = {r["method"]: r for r in rows}
     reference = "baseline" if "baseline" in methods else "hf_static" if "hf_static" in methods else None
     expected = here[reference]["token_ids"] if reference and not here[reference]["error"] else None
@@ -275,8 +288,9 @@ def _compare(rows: list[dict], methods: list[str]) -> None:
         row["reference"] = reference
         row["identical_to_reference"] = (None if expected is None or row["error"] else
                                          sum(a == b for a, b in zip(row["token_ids"], expected)) / len(expected))
-    if "ppd" in here:
-        ppd = here["ppd"]
+    for name, ppd in here.items():
+        if not is_ppd(name):
+            continue
         for other in ("baseline", "hf_static"):
             base = here.get(other, {})
             ppd[f"speedup_decode_vs_{other}"] = _ratio(ppd.get("decode_tokens_per_s"), base.get("decode_tokens_per_s"))
@@ -287,8 +301,11 @@ def run(args: argparse.Namespace) -> tuple[dict, PartialRun]:
     """Every context and batch size's rows (those a cut-off run of the same settings left in ``--output`` are
     not measured again), and the record that writes them."""
     check_contexts(args.contexts, args.max_new_tokens)
-    loaded = load_decoder_or_exit(args, with_prompt_tokens="ppd" in args.methods)
+    loaded = load_decoder_or_exit(args, with_prompt_tokens="ppd" in args.methods or bool(args.trees))
     decoder = loaded.decoder
+    # Each method on the loaded decoder, then each --trees file on a decoder of its own.
+    variants = {**{m: (None, m) for m in args.methods},
+                **{variant_name(f): (decoder.with_trees(TreeSet.load(f)), "ppd") for f in args.trees}}
     device = decoder.device
     check_contexts(args.contexts, args.max_new_tokens, decoder.capacity, decoder.capacity_reason)
     # Each context and batch size is written once all its methods are measured.
@@ -303,26 +320,27 @@ def run(args: argparse.Namespace) -> tuple[dict, PartialRun]:
             prompts = long_prompts(loaded.tokenizer, context - args.max_new_tokens, max(args.batch_sizes),
                                    args.data_path)
             for batch in args.batch_sizes:
-                if len(partial.measured(context=context, batch_size=batch)) == len(args.methods):
+                if len(partial.measured(context=context, batch_size=batch)) == len(variants):
                     print(f"context {context:6d} | batch {batch:4d} | measured already in {args.output}",
                           file=sys.stderr)
                     continue
                 inputs = prompts[:batch]
                 here = []
-                for method in args.methods:
-                    row = {"context": context, "batch_size": batch, "method": method,
+                for name, (own, method) in variants.items():
+                    row = {"context": context, "batch_size": batch, "method": name,
                            "prompt_tokens_min": min(map(len, inputs)), "prompt_tokens_max": max(map(len, inputs))}
                     try:
-                        row.update(measure(loaded, method, inputs, args))
+                        row.update(measure(loaded, method, inputs, args, decoder=own) if own else
+                                   measure(loaded, method, inputs, args))
                     except torch.cuda.OutOfMemoryError as error:
                         row.update(error=f"out of memory: {str(error).splitlines()[0]}", token_ids=None)
                     if row["error"]:
                         _free_memory(device)  # out of the except block: its traceback no longer holds tensors
                     speed = (f"{row['decode_tokens_per_s'] or 0:9.1f} decode tokens/s | {row['tokens_per_s']:9.1f} "
                              "tokens/s" if not row["error"] else "out of memory")
-                    print(f"context {context:6d} | batch {batch:4d} | {method:9s} | {speed}", file=sys.stderr)
+                    print(f"context {context:6d} | batch {batch:4d} | {name:9s} | {speed}", file=sys.stderr)
                     here.append(row)
-                _compare(here, args.methods)
+                _compare(here, list(variants))
                 for row in here:
                     row.pop("token_ids", None)
                 partial.add(here, header)
@@ -349,20 +367,20 @@ def _gib(row: dict) -> str:
 def table(result: dict) -> str:
     methods = list(dict.fromkeys(r["method"] for r in result["rows"]))
     others = [m for m in ("baseline", "hf_static") if m in methods]
+    ppds = [m for m in methods if is_ppd(m)]
     lines = ["| context | batch | prompt tokens | " + " | ".join(f"{m} decode tokens/s" for m in methods)
-             + "".join(f" | ppd vs {m} (decode, end to end)" for m in others if "ppd" in methods)
-             + f" | accept length | identical | peak GiB ({' / '.join(methods)}) |"]
+             + "".join(f" | {p} vs {m} (decode, end to end)" for p in ppds for m in others)
+             + "".join(f" | {p} accept length" for p in ppds) + (" | accept length" if not ppds else "")
+             + f" | identical | peak GiB ({' / '.join(methods)}) |"]
     lines.append("|---" * (len(lines[0].split("|")) - 2) + "|")
     for context, batch in dict.fromkeys((r["context"], r["batch_size"]) for r in result["rows"]):
         here = {r["method"]: r for r in result["rows"] if (r["context"], r["batch_size"]) == (context, batch)}
         any_row = next(iter(here.values()))
         cells = [str(context), str(batch), f"{any_row['prompt_tokens_min']}-{any_row['prompt_tokens_max']}"]
         cells += [_cell(here[m], "decode_tokens_per_s", ".0f") for m in methods]
-        if "ppd" in methods:
-            ppd = here["ppd"]
-            cells += [f"{_cell(ppd, f'speedup_decode_vs_{m}', '.2f', 'x')}, {_cell(ppd, f'speedup_vs_{m}', '.2f', 'x')}"
-                      for m in others]
-        cells.append(_cell(here.get("ppd") or here.get("baseline"), "accept_length", ".2f"))
+        cells += [f"{_cell(here[p], f'speedup_decode_vs_{m}', '.2f', 'x')}, {_cell(here[p], f'speedup_vs_{m}', '.2f', 'x')}"
+                  for p in ppds for m in others]
+        cells += [_cell(here[p], "accept_length", ".2f") for p in ppds] or [_cell(here.get("baseline"), "accept_length", ".2f")]
         cells.append(" / ".join(f"{m} {_cell(here[m], 'identical_to_reference', '.0%')}" for m in methods
                                 if m != here[m].get("reference")) or "-")
         cells.append(" / ".join(_gib(here[m]) for m in methods))
@@ -377,11 +395,12 @@ def plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    ppd = [r for r in result["rows"] if r["method"] == "ppd" and r.get("speedup_decode_vs_baseline")]
-    for batch in dict.fromkeys(r["batch_size"] for r in ppd):
-        here = [r for r in ppd if r["batch_size"] == batch]
+    ppd = [r for r in result["rows"] if is_ppd(r["method"]) and r.get("speedup_decode_vs_baseline")]
+    several = len({r["method"] for r in ppd}) > 1
+    for method, batch in dict.fromkeys((r["method"], r["batch_size"]) for r in ppd):
+        here = [r for r in ppd if (r["method"], r["batch_size"]) == (method, batch)]
         ax.plot([r["context"] for r in here], [r["speedup_decode_vs_baseline"] for r in here], marker="o",
-                label=f"batch {batch}")
+                label=f"{method}, batch {batch}" if several else f"batch {batch}")
     ax.axhline(1.0, color="grey", linestyle="--", linewidth=1, label="baseline")
     ax.axhline(1.5, color="tab:green", linestyle=":", linewidth=1, label="1.5x")
     ax.set_xscale("log", base=2)

@@ -25,7 +25,8 @@ import torch
 from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_decoder_or_exit
 from ppd.config import DecodeConfig
 from ppd.decoder import Decoder
-from ppd.decoding.loop import decode
+from ppd.decoding.graphs import captures_graphs, resolve_mode
+from ppd.decoding.loop import batch_bucket, decode
 
 from .records import environment, write_json
 from .step_latency import timing_prompt, tree_decoders
@@ -38,6 +39,9 @@ def make_parser() -> argparse.ArgumentParser:
     add_engine_args(parser)
     parser.add_argument("--trees", nargs="*", default=[],
                         help="tree-set JSON files to profile (default: the adapter's)")
+    parser.add_argument("--with_loaded", action="store_true",
+                        help="with --trees: also profile the decoder as loaded (the adapter's tree or batch policy), "
+                             "which ran the baseline's steps first, beside the files' decoders of their own")
     parser.add_argument("--context", type=int, default=300, help="prompt tokens before the profiled steps")
     parser.add_argument("--steps", type=int, default=64, help="new tokens decoded under the profiler")
     parser.add_argument("--batch_size", type=int, default=1)
@@ -77,7 +81,9 @@ def profile_steps(decoder: Decoder, method: str, args: argparse.Namespace) -> di
             entry[1] += event.self_cpu_time_total if on_cpu else event.time_range.elapsed_us()
     rows = sorted(([name, count / steps, total / steps] for name, (count, total) in kernels.items()),
                   key=lambda r: -r[2])
-    return {"method": method, "rows": decoder.tables.num_rows if method == "ppd" else 1, "steps": steps,
+    exact = not captures_graphs(resolve_mode(args.capture, decoder.device))
+    tables = decoder.tables_for(batch_bucket(len(batch), exact)) if method == "ppd" else None
+    return {"method": method, "rows": tables.num_rows if tables is not None else 1, "steps": steps,
             "wall_us_per_step": 1e6 * wall / steps, "kernels_per_step": sum(r[1] for r in rows),
             "device_us_per_step": sum(r[2] for r in rows),
             "top": [{"kernel": n, "calls_per_step": c, "us_per_step": t} for n, c, t in rows[: args.top]]}
@@ -89,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     with torch.no_grad():
         results.append({"tree": "baseline (1 row)", **profile_steps(loaded.decoder, "baseline", args)})
+        if args.with_loaded and args.trees:
+            results.append({"tree": f"{loaded.tree} (as loaded)", **profile_steps(loaded.decoder, "ppd", args)})
         for name, decoder in tree_decoders(loaded, args.trees):
             results.append({"tree": name, **profile_steps(decoder, "ppd", args)})
     print("| tree | rows | wall us/step | kernels/step | device us/step |\n|---|---|---|---|---|")

@@ -366,3 +366,10 @@ def test_step_latency_and_step_profile_on_the_real_model(tmp_path):
     for result in (base, tree):
         assert result["kernels_per_step"] > 0 and result["device_us_per_step"] > 0
         assert len(result["top"]) == 4 and result["top"][0]["us_per_step"] >= result["top"][-1]["us_per_step"]
+    # The decoder as loaded beside a tree file's decoder of its own (here the same tree file as loaded).
+    own = "ppd/adapters/smollm2-135m-instruct/tree_cpu_float32.json"
+    assert step_profile.main([*common, "--top", "2", "--trees", own, "--with_loaded",
+                              "--output", str(tmp_path / "both.json")]) == 0
+    both = json.loads((tmp_path / "both.json").read_text())["results"]
+    assert [r["tree"] for r in both] == ["baseline (1 row)", f"{tree['tree']} (as loaded)", own]
+    assert both[1]["rows"] == both[2]["rows"] == tree["rows"]

