@@ -180,3 +180,20 @@ def test_a_tree_guessing_past_the_vocabulary_is_refused_at_construction():
     trees = TreeSet(num_prompt_tokens=1, top_k=30, trees={1: tree})
     with pytest.raises(ValueError, match="top-30 tokens, more than the model's vocabulary of 24"):
         Decoder(model, random_prompt_tokens(model, n=1), trees)
+
+
+def test_prefill_runs_without_cudnn_attention_and_steps_with_it():
+    """The eager prefill leaves cuDNN's SDPA out (a plan per new shape: a prefill's shape is new for nearly
+    every request); the steps that follow run with the backends as they were."""
+    model = tiny_model("llama", seed=5)
+    decoder = Decoder(model, random_prompt_tokens(model, n=3, v=2, seed=5), random_tree_set(3, size=6))
+    seen = []
+    handle = model.model.layers[0].register_forward_pre_hook(
+        lambda module, args: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
+    try:
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        decoder.generate([3, 1, 4, 1, 5, 9, 2, 6], DecodeConfig(max_new_tokens=4, stop_on_eos=False, capture="eager"))
+    finally:
+        handle.remove()
+    assert seen[0] is False and len(seen) > 1 and all(seen[1:])  # the prefill, then every step
+    assert torch.backends.cuda.cudnn_sdp_enabled()

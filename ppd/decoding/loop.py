@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..config import CaptureMode, DecodeConfig, DecodeMethod
 from ..prefill import average_copies, build_prefill
@@ -173,6 +174,14 @@ def run_step(decoder: "Decoder", runner: StepRunner, state: DecodeState, tables:
         return state.report[:rows_read].tolist()
 
 
+# The SDPA kernels an eager prefill may use: all but cuDNN's. cuDNN's attention builds an execution plan for
+# every new shape, and a prefill's shape (prompt rows by their width) is new for nearly every request: on one
+# H200 a decoder's prefills of 32 MT-Bench prompts took 109-117 ms each where it met each shape first, and 64 ms
+# on a second decoder that prefilled the same shapes right after it (results/deep_gpu/h200/v7/
+# batch_speed_gap_b1.json). Captured steps keep cuDNN: their shapes are fixed when the graph is captured.
+PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def prefill(decoder: "Decoder", batch: list[list[int]], state: DecodeState, use_ppd: bool, kind: StepKind) -> None:
     """Run ``[x_b, prompt tokens]`` into the first rows of the state's cache; set each row's length, root,
     guesses and key. ``kind`` says how the rows sample."""
@@ -189,9 +198,10 @@ def prefill(decoder: "Decoder", batch: list[list[int]], state: DecodeState, use_
     hooks = decoder.lm.offsets
     if hooks is not None:
         hooks.set(inputs.prompt_rows, decoder.lm.offset_table)
-    out = decoder.model(inputs_embeds=inputs.embeds, attention_mask=inputs.mask, position_ids=inputs.positions,
-                        use_cache=True, **{cache_keyword(decoder.model): state.kv.view(slots, width, rows=n)},
-                        logits_to_keep=inputs.keep)
+    with sdpa_kernel(PREFILL_SDPA):
+        out = decoder.model(inputs_embeds=inputs.embeds, attention_mask=inputs.mask, position_ids=inputs.positions,
+                            use_cache=True, **{cache_keyword(decoder.model): state.kv.view(slots, width, rows=n)},
+                            logits_to_keep=inputs.keep)
     if hooks is not None:
         hooks.set(None, None)
     rows = inputs.rows(out.logits)  # [n, 1 + N*V, vocab]
