@@ -27,7 +27,7 @@ def _tensors(mask_dtype=torch.float32):
     return q, k, v, mask
 
 
-@pytest.mark.parametrize("mode", ["auto", "folded"])
+@pytest.mark.parametrize("mode", ["auto", "folded", "matmul"])
 @pytest.mark.parametrize("mask_dtype", [torch.float32, torch.bool])
 @pytest.mark.parametrize("per_head", [False, True])
 def test_equals_transformers_sdpa(mode, mask_dtype, per_head):
@@ -37,7 +37,8 @@ def test_equals_transformers_sdpa(mode, mask_dtype, per_head):
         mask = torch.cat([mask, mask.flip(-1)] * 3, dim=1)  # [B, 6, T, W]: heads see different keys
         mask[..., 0] = True if mask_dtype == torch.bool else 0.0
     own = grouped_attention._own_sdpa()
-    function = {"auto": grouped_attention.grouped_sdpa, "folded": grouped_attention.folded_sdpa}[mode]
+    function = {"auto": grouped_attention.grouped_sdpa, "folded": grouped_attention.folded_sdpa,
+                "matmul": grouped_attention.matmul_sdpa}[mode]
     got, _ = function(_Layer(), q, k, v, mask, scaling=0.25)
     want, _ = own(_Layer(), q, k, v, mask, scaling=0.25)
     assert got.shape == (2, 5, 6, 16)
@@ -56,7 +57,8 @@ def test_hands_other_cases_to_transformers(monkeypatch):
     assert len(calls) == 3 and calls[1]["softcap"] == 30.0
 
 
-@pytest.mark.parametrize("arch,mode", [("llama", "auto"), ("qwen2", "auto"), ("mistral", "auto"), ("llama", "folded")])
+@pytest.mark.parametrize("arch,mode", [("llama", "auto"), ("qwen2", "auto"), ("mistral", "auto"), ("llama", "folded"),
+                                       ("qwen2", "matmul")])
 def test_dense_step_runs_it_and_matches_repeated_heads(arch, mode, monkeypatch):
     """A tree step of a model with grouped query heads calls the function once per layer, and its logits
     are those of the same step through transformers' SDPA (``PPD_GROUPED_SDPA=off``)."""
@@ -91,5 +93,5 @@ def test_applies_only_to_grouped_sdpa_models(monkeypatch):
     monkeypatch.setenv("PPD_GROUPED_SDPA", "off")
     assert not grouped_attention.applies(llama.config, 2)
     monkeypatch.setenv("PPD_GROUPED_SDPA", "yes")
-    with pytest.raises(ValueError, match="PPD_GROUPED_SDPA must be one of auto, off, folded"):
+    with pytest.raises(ValueError, match="PPD_GROUPED_SDPA must be one of auto, off, folded, matmul"):
         grouped_attention.applies(llama.config, 2)

