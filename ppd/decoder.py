@@ -19,7 +19,7 @@ import torch
 
 from .config import MAX_EOS_IDS, CaptureMode, DecodeConfig, StepAttention
 from .decoding.graphs import Capture, StepRunner, captures_graphs, resolve_mode
-from .decoding.loop import PromptTooLongError, batch_bucket, capture_widths, decode, whole_width
+from .decoding.loop import PromptTooLongError, batch_bucket, decode, steps_to_prepare, whole_width
 from .decoding.packed_linear import pack_linears
 from .decoding.state import DecodeState, StatePool
 from .decoding.step import LanguageModel, StepKind
@@ -221,6 +221,11 @@ class Decoder:
         trees = self.policy.for_batch(batch_size)
         return None if trees is None else self._tables_of[id(trees)]
 
+    def max_tree_width(self, batch_size: int) -> int | None:
+        """The widest attention (cache slots) the batch policy runs a tree at for ``batch_size`` rows (``None``:
+        any width, or no policy)."""
+        return None if self.policy is None else self.policy.max_width_for(batch_size)
+
     def _new_state(self, batch_size: int) -> DecodeState:
         t = self.tables
         n_prompt = t.num_prompt_tokens if t else 0
@@ -268,8 +273,9 @@ class Decoder:
                capture: CaptureMode | str = CaptureMode.AUTO, sampling: DecodeConfig | None = None,
                max_width: int | None = None) -> float:
         """Compile and capture ahead of time the steps that these batch sizes and methods run (the tree step
-        for ``ppd``, the one-row step for ``baseline``; PPD falls back to the one-row step only at the end
-        of the context window, which captures it then), at every attention width up to ``max_width``
+        for ``ppd`` up to the batch policy's widest attention for it and the one-row step past that, the one-row
+        step for ``baseline``; PPD also falls back to the one-row step at the end of the context window, which
+        captures it then), at every attention width up to ``max_width``
         (default: the whole cache), for requests sampled as ``sampling`` says (default: greedy). Returns the
         seconds it took; :attr:`captures` has each graph's share.
         In eager mode there is nothing to prepare."""
@@ -283,18 +289,14 @@ class Decoder:
         for size in batch_sizes:
             bucket = batch_bucket(size, exact=not captures_graphs(mode))
             tables = self.tables_for(bucket) if use_ppd else None
-            # PPD runs the one-row step where the batch policy names no tree.
-            kinds = ([True] if tables is not None else []) + (
-                [False] if "baseline" in methods or (use_ppd and tables is None) else [])
             # A one-token request allocates the bucket's cache; the state it used is the one leased next.
             for _ in decode(self, [[0]] * size, DecodeConfig(method=method, max_new_tokens=1, capture=mode)):
                 pass
             state = self.states.acquire(bucket)
             try:
-                for tree in kinds:
-                    rows = tables.num_rows if tree else 1
-                    widths = capture_widths(rows, min(max_width or state.capacity, state.capacity),
-                                            whole_width(self, mode))
+                top = min(max_width or state.capacity, state.capacity)
+                for tree, widths in steps_to_prepare(self, tables, bucket, top, whole_width(self, mode),
+                                                     one_row="baseline" in methods):
                     with torch.no_grad():
                         runner.prepare(tables if tree else None, self.prompt_embeds(tables) if tree else None,
                                        state, StepKind.of(tree, [sampling or DecodeConfig()]), widths)

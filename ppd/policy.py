@@ -6,6 +6,10 @@ two the decoder pads a batch to), the tree set with the most expected tokens per
 where the one-row step is faster. ``eval.pick_tree --batch_sizes`` makes one from measured step times and
 installs it in the adapter as ``policy_<device type>_<dtype>.json``; the decoder follows it as a batch
 grows and shrinks.
+
+A tree step's attention also grows with the cache slots it reads (its width), much faster than the one-row
+step's: a bucket may name the widest attention its tree still pays at (``max_width``); past it, as a
+conversation grows long, the decoder runs the one-row step.
 """
 
 from __future__ import annotations
@@ -22,27 +26,37 @@ POLICY_FORMAT_VERSION = 1
 @dataclass(frozen=True)
 class BatchPolicy:
     """``trees[i]`` serves batches of ``buckets[i - 1] + 1 .. buckets[i]`` rows (``None``: no tree, the
-    one-row step); batches past the last bucket take the last entry."""
+    one-row step) while a step attends over at most ``max_widths[i]`` cache slots (``None``: any width);
+    batches past the last bucket take the last entry."""
 
     buckets: tuple[int, ...]
     trees: tuple[TreeSet | None, ...]
     metadata: dict = field(default_factory=dict)
+    max_widths: tuple[int | None, ...] | None = None  # None: no bucket limits its tree's width
 
     def __post_init__(self) -> None:
         if not self.buckets or len(self.buckets) != len(self.trees):
             raise ValueError("a batch policy needs one tree set (or none) per bucket, and at least one bucket")
+        if self.max_widths is not None and (len(self.max_widths) != len(self.buckets) or any(
+                w is not None and w < 1 for w in self.max_widths)):
+            raise ValueError(f"a batch policy needs one max_width (a width >= 1, or none) per bucket, got "
+                             f"{list(self.max_widths)} for {len(self.buckets)} buckets")
         if any(b < 1 for b in self.buckets) or list(self.buckets) != sorted(set(self.buckets)):
             raise ValueError(f"buckets must be increasing batch sizes >= 1, got {list(self.buckets)}")
         sets = [t for t in self.trees if t is not None]
         if len({t.num_prompt_tokens for t in sets}) > 1:
             raise ValueError("every tree set of a batch policy must be built for the same number of prompt tokens")
 
+    def _index(self, size: int) -> int:
+        return next((i for i, bucket in enumerate(self.buckets) if size <= bucket), len(self.buckets) - 1)
+
     def for_batch(self, size: int) -> TreeSet | None:
         """The tree set (or ``None``) for a batch of ``size`` rows."""
-        for bucket, trees in zip(self.buckets, self.trees):
-            if size <= bucket:
-                return trees
-        return self.trees[-1]
+        return self.trees[self._index(size)]
+
+    def max_width_for(self, size: int) -> int | None:
+        """The widest attention (cache slots) a batch of ``size`` rows runs its tree at (``None``: any)."""
+        return None if self.max_widths is None else self.max_widths[self._index(size)]
 
     @property
     def tree_sets(self) -> list[TreeSet]:
@@ -57,21 +71,26 @@ class BatchPolicy:
         """One line: each bucket and the rows of its tree (``-`` for none)."""
         def rows(t):
             return "-" if t is None else str(t.metadata.get("budget", max(len(x.paths) for x in t.trees.values())))
-        return ", ".join(f"<= {b}: {rows(t)}" for b, t in zip(self.buckets, self.trees))
+        widths = self.max_widths or (None,) * len(self.buckets)
+        return ", ".join(f"<= {b}: {rows(t)}" + ("" if w is None or t is None else f" (to width {w})")
+                         for b, t, w in zip(self.buckets, self.trees, widths))
 
     # ------------------------------------------------------------------ JSON
     def to_json(self) -> dict:
+        widths = self.max_widths or (None,) * len(self.buckets)
         return {"format_version": POLICY_FORMAT_VERSION, "metadata": self.metadata,
-                "buckets": [{"max_batch": b, "trees": None if t is None else t.to_json()}
-                            for b, t in zip(self.buckets, self.trees)]}
+                "buckets": [{"max_batch": b, "trees": None if t is None else t.to_json(),
+                             **({} if w is None else {"max_width": w})}
+                            for b, t, w in zip(self.buckets, self.trees, widths)]}
 
     @classmethod
     def from_json(cls, data: dict) -> "BatchPolicy":
         check_format_version(data, POLICY_FORMAT_VERSION, "batch policy")
         entries = data["buckets"]
+        widths = tuple(None if e.get("max_width") is None else int(e["max_width"]) for e in entries)
         return cls(tuple(int(e["max_batch"]) for e in entries),
                    tuple(None if e["trees"] is None else TreeSet.from_json(e["trees"]) for e in entries),
-                   dict(data.get("metadata", {})))
+                   dict(data.get("metadata", {})), widths if any(w is not None for w in widths) else None)
 
     def save(self, path: str | Path) -> None:
         atomic_write_json(path, self.to_json(), sort_keys=True)

@@ -178,3 +178,55 @@ def test_captured_continuous_batch_equals_alone_on_the_gpu(mode):
             assert result.token_ids == decoder.generate(ids, config).token_ids
         else:
             assert 1 <= result.new_tokens <= n
+
+
+def test_a_tree_runs_only_within_the_policys_widest_attention(monkeypatch):
+    """Past a bucket's max_width the decoder runs the one-row step, with the same greedy tokens; warm-up
+    prepares the tree up to that width and the one-row step past it."""
+    from ppd.decoding import graphs
+    from ppd.decoding.loop import steps_to_prepare
+
+    model = tiny_model(seed=3)
+    trees = random_tree_set(seed=7, size=12)
+    tokens = random_prompt_tokens(model, 3, 1, seed=3)
+    prompt, config = [1, 2, 3, 4], DecodeConfig(max_new_tokens=60, stop_on_eos=False)
+    free = Decoder(model, tokens, policy=BatchPolicy((1,), (trees,))).generate(prompt, config)
+    rows = Decoder(model, tokens, trees).tables.num_rows
+    limit = len(prompt) + rows + 20
+    policy = BatchPolicy((1, 8), (trees, None), max_widths=(limit, None))
+    decoder = Decoder(model, tokens, policy=policy)
+    calls = []
+    original = graphs.decode_step
+
+    def spy(lm, tables, prompt_embeds, state, kind, slot_ids):
+        calls.append((tables is not None, int(state.lengths.max())))
+        return original(lm, tables, prompt_embeds, state, kind, slot_ids)
+
+    monkeypatch.setattr(graphs, "decode_step", spy)
+    limited = decoder.generate(prompt, config)
+    assert limited.token_ids == free.token_ids
+    assert any(tree for tree, _ in calls) and not all(tree for tree, _ in calls)
+    assert all((length + rows <= limit) == tree for tree, length in calls)
+    assert max(free.step_tokens[len(calls) // 2:]) > 1  # the tree would still have paid there
+    # Warm-up's plan: the tree's widths up to the limit (none under 256 slots), the one-row step's everywhere.
+    assert policy.max_width_for(1) == limit and policy.max_width_for(64) is None
+    assert steps_to_prepare(decoder, decoder.tables, 1, 4096, whole=False) == [(False, [256, 512, 1024, 2048, 4096])]
+    wide = Decoder(model, tokens, policy=BatchPolicy((1, 8), (trees, None), max_widths=(1024, None)))
+    plan = steps_to_prepare(wide, wide.tables, 1, 4096, whole=False)
+    assert plan == [(True, [256, 512, 1024]), (False, [256, 512, 1024, 2048, 4096])]
+    assert steps_to_prepare(wide, wide.tables, 1, 1024, whole=False) == [(True, [256, 512, 1024])]
+    assert steps_to_prepare(wide, wide.tables, 1, 4096, whole=True) == [(True, [4096])]
+    assert steps_to_prepare(wide, None, 8, 512, whole=False, one_row=True) == [(False, [256, 512])]
+    assert "(to width" in policy.describe()
+
+
+def test_policy_widths_round_trip_and_are_checked(tmp_path):
+    policy = BatchPolicy((1, 4, 16), (random_tree_set(seed=1), random_tree_set(seed=2, size=4), None),
+                         max_widths=(2048, 1024, None))
+    policy.save(tmp_path / "p.json")
+    assert BatchPolicy.load(tmp_path / "p.json") == policy
+    assert "max_width" not in str(BatchPolicy((1,), (None,)).to_json())  # no limit, no key: older readers agree
+    with pytest.raises(ValueError, match="one max_width"):
+        BatchPolicy((1, 4), (None, None), max_widths=(512,))
+    with pytest.raises(ValueError, match="one max_width"):
+        BatchPolicy((1,), (None,), max_widths=(0,))

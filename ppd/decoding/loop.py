@@ -89,6 +89,21 @@ def capture_widths(rows: int, capacity: int, whole: bool = False) -> list[int]:
     return widths
 
 
+def steps_to_prepare(decoder: "Decoder", tables: TreeTables | None, bucket: int, capacity: int, whole: bool,
+                     one_row: bool = False) -> list[tuple[bool, list[int]]]:
+    """(tree step or not, widths) of every step a bucket's decoding reaches up to ``capacity`` slots: the tree
+    step of ``tables`` up to the batch policy's widest attention for the bucket, and the one-row step where
+    there is no tree, past that width, or where ``one_row`` asks for it (the baseline)."""
+    limit = decoder.max_tree_width(bucket) if tables is not None else None
+    limited = limit is not None and not whole and limit < capacity
+    plan = []
+    if tables is not None:
+        plan.append((True, [w for w in capture_widths(tables.num_rows, capacity, whole) if not limited or w <= limit]))
+    if one_row or tables is None or limited:
+        plan.append((False, capture_widths(1, capacity, whole)))
+    return [(tree, widths) for tree, widths in plan if widths]
+
+
 def batch_bucket(size: int, exact: bool) -> int:
     """Rows a state holds for a batch of ``size``: the next power of two when graphs are captured."""
     if exact:
@@ -158,14 +173,23 @@ def whole_width(decoder: "Decoder", mode: CaptureMode) -> bool:
     return decoder.lm.flex and mode is not CaptureMode.EAGER
 
 
+def tree_fits(decoder: "Decoder", bucket: int, need: int, capacity: int, exact: bool) -> bool:
+    """Whether a tree step whose rows reach slot ``need`` stays within the batch policy's widest attention for
+    this bucket (measured as the dense step's width, whatever the step's attention)."""
+    limit = decoder.max_tree_width(bucket)
+    return limit is None or attention_width(need, capacity, exact) <= limit
+
+
 def run_step(decoder: "Decoder", runner: StepRunner, state: DecodeState, tables: TreeTables | None, longest: int,
              rows_read: int, kind: StepKind, exact: bool, whole: bool = False) -> list[list[int]]:
     """One step of every row of ``state`` (verifying ``tables``' trees, or one row each where ``tables`` is
     None), whose longest row has ``longest`` committed tokens; returns the report of the first ``rows_read``
     rows, the step's one host synchronisation. ``kind`` says how the rows sample (its ``tree`` is decided
     here)."""
-    # Near the end of the context window the tree's positions would not fit: one row a step.
-    tree = tables is not None and longest + tables.max_offset < decoder.max_positions
+    # Near the end of the context window the tree's positions would not fit, and past the batch policy's
+    # widest attention for this bucket the tree costs more than it returns: one row a step.
+    tree = (tables is not None and longest + tables.max_offset < decoder.max_positions
+            and tree_fits(decoder, state.batch_size, longest + tables.num_rows, state.capacity, exact))
     rows = tables.num_rows if tree else 1
     width = attention_width(longest + rows, state.capacity, exact, whole)
     kind = replace(kind, tree=tree)

@@ -30,7 +30,7 @@ import torch
 
 from ..config import CaptureMode, DecodeConfig, DecodeMethod
 from ..decoding.graphs import captures_graphs, resolve_mode
-from ..decoding.loop import batch_bucket, capture_widths, prefill, reset_rows, run_step, whole_width
+from ..decoding.loop import batch_bucket, prefill, reset_rows, run_step, steps_to_prepare, whole_width
 from ..decoding.state import REASONS, REPORT_HEAD, RUNNING, DecodeState
 from ..decoding.step import StepKind
 from .stream import EngineClosedError, QueueFullError, Stream
@@ -119,10 +119,10 @@ class ContinuousBatcher:
                 view = lane.view(bucket)
                 if not lane.state.kv.allocated:
                     lane.allocate()
-                widths = capture_widths(tables.num_rows if tables is not None else 1, view.capacity, self._whole)
-                with torch.no_grad():
-                    self._runner.prepare(tables, lane.prompt_embeds(tables), view,
-                                         StepKind(tree=tables is not None, greedy=greedy), widths)
+                for tree, widths in steps_to_prepare(self.decoder, tables, bucket, view.capacity, self._whole):
+                    with torch.no_grad():
+                        self._runner.prepare(tables if tree else None, lane.prompt_embeds(tables if tree else None),
+                                             view, StepKind(tree=tree, greedy=greedy), widths)
                 bucket *= 2
         return time.perf_counter() - start
 

@@ -51,7 +51,7 @@ off = metadata.get("switched_off")
 if off:  # an earlier run's list of buckets without a tree: drop those that get one now
     given = {p["batch_size"] for p in picks if p["tree"] is not None}
     metadata["switched_off"] = {**off, "batch_sizes": [b for b in off["batch_sizes"] if b not in given]}
-shipped = BatchPolicy(policy.buckets, tuple(trees), metadata)
+shipped = BatchPolicy(policy.buckets, tuple(trees), metadata, policy.max_widths)
 shipped.save(target)
 print(f"{shipped.describe()}\nwritten to {target}")
 for p in picks:
