@@ -18,8 +18,8 @@ warmed up untimed first, every variant (capture and compilation, and one short g
 timed; then each batch of prompts is decoded by every variant in turn before the next batch, so that a
 machine's drift falls on all variants alike. Each row also splits the wall time: the prefills' (until each
 batch's prefill is read back) and the rest per forward pass (each batch's longest row's passes, host loop
-included). Greedy outputs of every variant are compared with the
-baseline's. Writes JSON, a table and a plot of the speed-up by batch size.
+included). Greedy outputs of every variant are compared with the baseline's. Writes JSON, a table and a plot
+of the speed-up by batch size.
 Each batch size's rows are written to ``--output`` as soon as they are measured: a run cut off (a time limit,
 a machine taken back) keeps them, and the same command run again measures only the batch sizes missing; a
 cut-off file of other settings is refused (one line, exit status 2).
@@ -135,7 +135,8 @@ def run(args: argparse.Namespace) -> tuple[dict, PartialRun]:
             rows.append({"batch_size": batch, "variant": name, "tree_rows": tables.num_rows if tables else 1,
                          "prompts": count, "new_tokens": tokens, "wall_time_s": wall, "tokens_per_s": tokens / wall,
                          "accept_length": tokens / steps if steps else None, "warmup_s": warmup, "captures": captures,
-                         "prefill_s": prefills[name], "ms_per_pass": 1e3 * (wall - prefills[name]) / max(passes[name], 1),
+                         "prefill_s": prefills[name],
+                         "ms_per_pass": 1e3 * (wall - prefills[name]) / max(passes[name], 1),
                          "max_steps": max(o.steps for o in outs[name])})
             print(f"batch {batch:4d} | {name} | {tokens / wall:9.1f} tokens/s | accept length "
                   f"{tokens / max(steps, 1):.2f} | {rows[-1]['ms_per_pass']:.2f} ms a pass, prefills "

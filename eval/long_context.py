@@ -12,10 +12,9 @@ batch row's prompt is one user message in the model's chat template: a transcrip
 between P - 16 and P tokens), a blank line, then a real ShareGPT question (the first user turn of the
 conversation that follows the transcript). Rows end on different conversations, so a batch holds prompts of
 (slightly) different lengths. Each ``--trees`` file adds a PPD variant ``ppd:<file name>``, a decoder of
-its own over that tree set, timed beside the methods on the same prompts. A
-context that leaves fewer than 128 prompt tokens, or that is larger than the decoder's capacity
-(``--max_seq_len``, at most the model's context window), is refused before anything decodes (one line, exit
-status 2).
+its own over that tree set, timed beside the methods on the same prompts. A context that leaves fewer than 128
+prompt tokens, or that is larger than the decoder's capacity (``--max_seq_len``, at most the model's context
+window), is refused before anything decodes (one line, exit status 2).
 
 For each context, batch size and method: untimed warm-up (``ppd``/``baseline``: capture and compilation, then
 one short generation; ``hf_static``: two whole generations at the same shape, which compile on a GPU, one on a
@@ -26,9 +25,9 @@ before). Its prefill time is the time until the prefill's tokens were read back 
 batch) / (wall time - prefill time); end-to-end throughput is new tokens / wall time. Greedy outputs are
 compared with the baseline's (``hf_static``'s without a baseline). A combination that runs out of GPU memory
 is recorded with its error and the run goes on. Writes JSON, a markdown table and a plot of PPD's decode-only
-speed-up over the baseline by context length (one line per batch size and PPD variant). Each context and batch size is
-written to ``--output`` once all its methods are measured; the same command run again after a cut-off run
-measures only what is missing (a cut-off file of other settings is refused: one line, exit status 2).
+speed-up over the baseline by context length (one line per batch size and PPD variant). Each context and batch
+size is written to ``--output`` once all its methods are measured; the same command run again after a cut-off
+run measures only what is missing (a cut-off file of other settings is refused: one line, exit status 2).
 """
 
 from __future__ import annotations
@@ -378,9 +377,10 @@ def table(result: dict) -> str:
         any_row = next(iter(here.values()))
         cells = [str(context), str(batch), f"{any_row['prompt_tokens_min']}-{any_row['prompt_tokens_max']}"]
         cells += [_cell(here[m], "decode_tokens_per_s", ".0f") for m in methods]
-        cells += [f"{_cell(here[p], f'speedup_decode_vs_{m}', '.2f', 'x')}, {_cell(here[p], f'speedup_vs_{m}', '.2f', 'x')}"
-                  for p in ppds for m in others]
-        cells += [_cell(here[p], "accept_length", ".2f") for p in ppds] or [_cell(here.get("baseline"), "accept_length", ".2f")]
+        cells += [f"{_cell(here[p], f'speedup_decode_vs_{m}', '.2f', 'x')}, "
+                  f"{_cell(here[p], f'speedup_vs_{m}', '.2f', 'x')}" for p in ppds for m in others]
+        cells += ([_cell(here[p], "accept_length", ".2f") for p in ppds]
+                  or [_cell(here.get("baseline"), "accept_length", ".2f")])
         cells.append(" / ".join(f"{m} {_cell(here[m], 'identical_to_reference', '.0%')}" for m in methods
                                 if m != here[m].get("reference")) or "-")
         cells.append(" / ".join(_gib(here[m]) for m in methods))

@@ -93,7 +93,8 @@ def test_an_end_to_end_run_on_the_cpu(tmp_path, capsys):
     assert variant["steps"] != ppd["steps"] and variant["speedup_decode_vs_baseline"] > 0
     table = capsys.readouterr().out
     assert "| 384 | 1 |" in table and "| 384 | 2 |" in table
-    assert "ppd 100% / hf_static 100% / ppd:tree_cuda.json 100%" in table and "ppd:tree_cuda.json accept length" in table
+    assert "ppd 100% / hf_static 100% / ppd:tree_cuda.json 100%" in table
+    assert "ppd:tree_cuda.json accept length" in table
     assert long_context.table(result) in table
     if plotting:
         assert picture.stat().st_size > 1000
