@@ -22,10 +22,10 @@ took 669 us that way against 803 with ``enable_gqa`` and batch 64 with 17 rows 9
 with 64 rows 458 against 415. ``PPD_GROUPED_SDPA=matmul`` (experimental, not timed yet) computes those folded
 rows as two batched matrix products around a float32 softmax, for long caches: on the same H200 a 16-row tree
 step took 2.4 ms at 1K context and 5.5 ms at 8K at batch 1 (14 ms at batch 16), where one row took 1.4-1.5 ms
-at both (2.6 ms at batch 16; `results/deep_gpu/h200/v7/long_context_dense.json`), as if the attention kernel walked the whole cache in
-one block per head and row tile; a matrix product spreads over the cache's width instead. Anything
-this function does not handle itself (no mask, attention dropout, soft-capping, attention sinks, equal head
-counts) goes to transformers' own SDPA function unchanged.
+at both (2.6 ms at batch 16; `results/deep_gpu/h200/v7/long_context_dense.json`), as if the attention kernel
+walked the whole cache in one block per head and row tile; a matrix product spreads over the cache's width
+instead. Anything this function does not handle itself (no mask, attention dropout, soft-capping, attention
+sinks, equal head counts) goes to transformers' own SDPA function unchanged.
 """
 
 from __future__ import annotations
