@@ -303,7 +303,7 @@ def run(args: argparse.Namespace) -> tuple[dict, PartialRun]:
     loaded = load_decoder_or_exit(args, with_prompt_tokens="ppd" in args.methods or bool(args.trees))
     decoder = loaded.decoder
     # Each method on the loaded decoder, then each --trees file on a decoder of its own.
-    variants = {**{m: (None, m) for m in args.methods},
+    variants = {**{m: (decoder, m) for m in args.methods},
                 **{variant_name(f): (decoder.with_trees(TreeSet.load(f)), "ppd") for f in args.trees}}
     device = decoder.device
     check_contexts(args.contexts, args.max_new_tokens, decoder.capacity, decoder.capacity_reason)
@@ -329,8 +329,7 @@ def run(args: argparse.Namespace) -> tuple[dict, PartialRun]:
                     row = {"context": context, "batch_size": batch, "method": name,
                            "prompt_tokens_min": min(map(len, inputs)), "prompt_tokens_max": max(map(len, inputs))}
                     try:
-                        row.update(measure(loaded, method, inputs, args, decoder=own) if own else
-                                   measure(loaded, method, inputs, args))
+                        row.update(measure(loaded, method, inputs, args, decoder=own))
                     except torch.cuda.OutOfMemoryError as error:
                         row.update(error=f"out of memory: {str(error).splitlines()[0]}", token_ids=None)
                     if row["error"]:

@@ -32,13 +32,14 @@ class BatchPolicy:
     buckets: tuple[int, ...]
     trees: tuple[TreeSet | None, ...]
     metadata: dict = field(default_factory=dict)
-    max_widths: tuple[int | None, ...] | None = None  # None: no bucket limits its tree's width
+    max_widths: tuple[int | None, ...] | None = None  # one per bucket; left out: no bucket limits its tree
 
     def __post_init__(self) -> None:
         if not self.buckets or len(self.buckets) != len(self.trees):
             raise ValueError("a batch policy needs one tree set (or none) per bucket, and at least one bucket")
-        if self.max_widths is not None and (len(self.max_widths) != len(self.buckets) or any(
-                w is not None and w < 1 for w in self.max_widths)):
+        if self.max_widths is None:
+            object.__setattr__(self, "max_widths", (None,) * len(self.buckets))
+        if len(self.max_widths) != len(self.buckets) or any(w is not None and w < 1 for w in self.max_widths):
             raise ValueError(f"a batch policy needs one max_width (a width >= 1, or none) per bucket, got "
                              f"{list(self.max_widths)} for {len(self.buckets)} buckets")
         if any(b < 1 for b in self.buckets) or list(self.buckets) != sorted(set(self.buckets)):
@@ -56,7 +57,7 @@ class BatchPolicy:
 
     def max_width_for(self, size: int) -> int | None:
         """The widest attention (cache slots) a batch of ``size`` rows runs its tree at (``None``: any)."""
-        return None if self.max_widths is None else self.max_widths[self._index(size)]
+        return self.max_widths[self._index(size)]
 
     @property
     def tree_sets(self) -> list[TreeSet]:
@@ -71,26 +72,24 @@ class BatchPolicy:
         """One line: each bucket and the rows of its tree (``-`` for none)."""
         def rows(t):
             return "-" if t is None else str(t.metadata.get("budget", max(len(x.paths) for x in t.trees.values())))
-        widths = self.max_widths or (None,) * len(self.buckets)
         return ", ".join(f"<= {b}: {rows(t)}" + ("" if w is None or t is None else f" (to width {w})")
-                         for b, t, w in zip(self.buckets, self.trees, widths))
+                         for b, t, w in zip(self.buckets, self.trees, self.max_widths))
 
     # ------------------------------------------------------------------ JSON
     def to_json(self) -> dict:
-        widths = self.max_widths or (None,) * len(self.buckets)
         return {"format_version": POLICY_FORMAT_VERSION, "metadata": self.metadata,
                 "buckets": [{"max_batch": b, "trees": None if t is None else t.to_json(),
                              **({} if w is None else {"max_width": w})}
-                            for b, t, w in zip(self.buckets, self.trees, widths)]}
+                            for b, t, w in zip(self.buckets, self.trees, self.max_widths)]}
 
     @classmethod
     def from_json(cls, data: dict) -> "BatchPolicy":
         check_format_version(data, POLICY_FORMAT_VERSION, "batch policy")
         entries = data["buckets"]
-        widths = tuple(None if e.get("max_width") is None else int(e["max_width"]) for e in entries)
         return cls(tuple(int(e["max_batch"]) for e in entries),
                    tuple(None if e["trees"] is None else TreeSet.from_json(e["trees"]) for e in entries),
-                   dict(data.get("metadata", {})), widths if any(w is not None for w in widths) else None)
+                   dict(data.get("metadata", {})),
+                   tuple(None if e.get("max_width") is None else int(e["max_width"]) for e in entries))
 
     def save(self, path: str | Path) -> None:
         atomic_write_json(path, self.to_json(), sort_keys=True)
