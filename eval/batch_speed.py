@@ -36,8 +36,6 @@ import torch
 
 from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_decoder_or_exit
 from ppd.config import DecodeConfig
-from ppd.decoding.graphs import captures_graphs, resolve_mode
-from ppd.decoding.loop import batch_bucket
 from ppd.tree import TreeSet
 
 from .benchmarks import load_benchmark
@@ -85,7 +83,6 @@ def run(args: argparse.Namespace) -> tuple[dict, PartialRun]:
     device = decoder.device
     # Each batch size is written as soon as it is measured.
     partial = PartialRun(args.output, run_settings(args, device, ("batch_sizes", "output", "plot")))
-    exact = not captures_graphs(resolve_mode(args.capture, device))
     variants = {"baseline": (decoder, "baseline"), "ppd": (decoder, "ppd")}
     for name in args.trees:
         variants[variant_name(name)] = (decoder.with_trees(TreeSet.load(name)), "ppd")
@@ -130,7 +127,7 @@ def run(args: argparse.Namespace) -> tuple[dict, PartialRun]:
             wall = walls[name]
             tokens = sum(o.new_tokens for o in outs[name])
             steps = sum(o.steps for o in outs[name])
-            tables = dec.tables_for(batch_bucket(batch, exact)) if method == "ppd" else None
+            tables = dec.tables_for_batch(batch, args.capture) if method == "ppd" else None
             outputs[name] = [o.token_ids for o in outs[name]]
             rows.append({"batch_size": batch, "variant": name, "tree_rows": tables.num_rows if tables else 1,
                          "prompts": count, "new_tokens": tokens, "wall_time_s": wall, "tokens_per_s": tokens / wall,

@@ -25,8 +25,7 @@ import torch
 from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_decoder_or_exit
 from ppd.config import DecodeConfig
 from ppd.decoder import Decoder
-from ppd.decoding.graphs import captures_graphs, resolve_mode
-from ppd.decoding.loop import batch_bucket, decode
+from ppd.decoding.loop import decode
 
 from .records import environment, write_json
 from .step_latency import timing_prompt, tree_decoders
@@ -81,8 +80,7 @@ def profile_steps(decoder: Decoder, method: str, args: argparse.Namespace) -> di
             entry[1] += event.self_cpu_time_total if on_cpu else event.time_range.elapsed_us()
     rows = sorted(([name, count / steps, total / steps] for name, (count, total) in kernels.items()),
                   key=lambda r: -r[2])
-    exact = not captures_graphs(resolve_mode(args.capture, decoder.device))
-    tables = decoder.tables_for(batch_bucket(len(batch), exact)) if method == "ppd" else None
+    tables = decoder.tables_for_batch(len(batch), args.capture) if method == "ppd" else None
     return {"method": method, "rows": tables.num_rows if tables is not None else 1, "steps": steps,
             "wall_us_per_step": 1e6 * wall / steps, "kernels_per_step": sum(r[1] for r in rows),
             "device_us_per_step": sum(r[2] for r in rows),

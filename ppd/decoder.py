@@ -221,6 +221,11 @@ class Decoder:
         trees = self.policy.for_batch(batch_size)
         return None if trees is None else self._tables_of[id(trees)]
 
+    def tables_for_batch(self, size: int, capture: CaptureMode | str) -> TreeTables | None:
+        """The tree tables a batch of ``size`` prompts decodes with under ``capture``: those of the bucket of rows
+        that the mode's state holds (a power of two where graphs are captured)."""
+        return self.tables_for(batch_bucket(size, exact=not captures_graphs(resolve_mode(capture, self.device))))
+
     def max_tree_width(self, batch_size: int) -> int | None:
         """The widest attention (cache slots) the batch policy runs a tree at for ``batch_size`` rows (``None``:
         any width, or no policy)."""

@@ -215,7 +215,8 @@ def test_a_tree_runs_only_within_the_policys_widest_attention(monkeypatch):
     plan = steps_to_prepare(wide, wide.tables, 1, 4096, whole=False)
     assert plan == [(True, [256, 512, 1024]), (False, [256, 512, 1024, 2048, 4096])]
     assert steps_to_prepare(wide, wide.tables, 1, 1024, whole=False) == [(True, [256, 512, 1024])]
-    assert steps_to_prepare(wide, wide.tables, 1, 4096, whole=True) == [(True, [4096])]
+    assert steps_to_prepare(wide, wide.tables, 1, 4096, whole=True) == [(True, [4096]), (False, [4096])]
+    assert steps_to_prepare(wide, wide.tables, 1, 1024, whole=True) == [(True, [1024])]
     assert steps_to_prepare(wide, None, 8, 512, whole=False, one_row=True) == [(False, [256, 512])]
     assert "(to width" in policy.describe()
 

@@ -95,10 +95,13 @@ def steps_to_prepare(decoder: "Decoder", tables: TreeTables | None, bucket: int,
     step of ``tables`` up to the batch policy's widest attention for the bucket, and the one-row step where
     there is no tree, past that width, or where ``one_row`` asks for it (the baseline)."""
     limit = decoder.max_tree_width(bucket) if tables is not None else None
-    limited = limit is not None and not whole and limit < capacity
+    limited = limit is not None and limit < capacity
     plan = []
     if tables is not None:
-        plan.append((True, [w for w in capture_widths(tables.num_rows, capacity, whole) if not limited or w <= limit]))
+        # A whole-width step (FlexAttention) has one width for every length: the tree keeps it, and decoding
+        # past the limit still runs the one-row step (``tree_fits`` applies the limit whatever the attention).
+        widths = capture_widths(tables.num_rows, capacity, whole)
+        plan.append((True, widths if whole or not limited else [w for w in widths if w <= limit]))
     if one_row or tables is None or limited:
         plan.append((False, capture_widths(1, capacity, whole)))
     return [(tree, widths) for tree, widths in plan if widths]
