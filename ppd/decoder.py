@@ -290,13 +290,16 @@ class Decoder:
         start = time.perf_counter()
         runner = self.runner(mode)
         use_ppd = "ppd" in methods and self.tables is not None
-        method = "ppd" if use_ppd else "baseline"
+        prefills = ["ppd", "baseline"] if use_ppd and "baseline" in methods else ["ppd" if use_ppd else "baseline"]
         for size in batch_sizes:
             bucket = batch_bucket(size, exact=not captures_graphs(mode))
             tables = self.tables_for(bucket) if use_ppd else None
-            # A one-token request allocates the bucket's cache; the state it used is the one leased next.
-            for _ in decode(self, [[0]] * size, DecodeConfig(method=method, max_new_tokens=1, capture=mode)):
-                pass
+            # Two-token requests: the first allocates the bucket's cache (the state it used is the one leased
+            # next), then one per method compiles its prefill where prefills run compiled (a one-token prompt
+            # would compile a variant of its own: torch specialises a size of one).
+            for method in [prefills[0], *prefills]:
+                for _ in decode(self, [[0, 0]] * size, DecodeConfig(method=method, max_new_tokens=1, capture=mode)):
+                    pass
             state = self.states.acquire(bucket)
             try:
                 top = min(max_width or state.capacity, state.capacity)

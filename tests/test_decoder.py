@@ -182,6 +182,48 @@ def test_a_tree_guessing_past_the_vocabulary_is_refused_at_construction():
         Decoder(model, random_prompt_tokens(model, n=1), trees)
 
 
+def test_a_compiled_prefill_leaves_the_state_the_eager_one_does():
+    """CUDA's compiled modes prefill through one compiled forward: the state it leaves (cache, lengths, roots,
+    guesses) is the eager prefill's, for one row and for rows of different lengths, deep prompt tokens with
+    maps included; one compilation serves every length and batch of two or more rows."""
+    from torch._dynamo.utils import counters
+
+    from ppd.decoding.loop import prefill, reset_rows
+    from ppd.decoding.step import StepKind
+
+    model = tiny_model("llama", seed=4)
+    # Without packed weights, as on CUDA (a CPU's packs are looked up by row count, a size compiled in).
+    decoder = Decoder(model, random_prompt_tokens(model, n=3, v=2, seed=4, deep=True, rank=2), random_tree_set(3, size=6),
+                      packed_weights=False)
+    batches = [[[5, 9, 2, 7]], [[5, 9, 2, 7, 7, 1, 4, 4], [3, 8, 1]], [[1, 2], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [8, 9]]]
+    config = DecodeConfig(max_new_tokens=8)
+    for use_ppd in (True, False):
+        for i, batch in enumerate(batches):
+            graphs = counters["stats"]["unique_graphs"]
+            states = []
+            for compiled in (False, True):
+                state = decoder.states.acquire(len(batch))
+                with torch.no_grad():
+                    if compiled:  # a first forward allocates the cache, eagerly: other prompts, overwritten
+                        reset_rows(decoder, state, [3] * len(batch), config)
+                        prefill(decoder, [[20, 21, 22]] * len(batch), state, use_ppd, StepKind(tree=False))
+                    reset_rows(decoder, state, [len(x) for x in batch], config)
+                    prefill(decoder, batch, state, use_ppd, StepKind(tree=False), compiled)
+                states.append(state)
+            eager, compiled = states
+            width = max(map(len, batch)) + (6 if use_ppd else 0)
+            for a, b in zip(eager.kv.buffers(), compiled.kv.buffers()):
+                torch.testing.assert_close(b[:, :, :width], a[:, :, :width])
+            for name in ("lengths", "root", "key", "report"):
+                assert torch.equal(getattr(compiled, name), getattr(eager, name)), name
+            if use_ppd:
+                assert torch.equal(compiled.guesses, eager.guesses)
+            if i == 2:  # a third length and batch size: no compilation
+                assert counters["stats"]["unique_graphs"] == graphs
+            for state in states:
+                decoder.states.release(state)
+
+
 def test_prefill_runs_without_cudnn_attention_and_steps_with_it():
     """The eager prefill leaves cuDNN's SDPA out (a plan per new shape: a prefill's shape is new for nearly
     every request); the steps that follow run with the backends as they were."""

@@ -76,6 +76,14 @@ def compile_limits():
     return config.patch(**{name: 64})
 
 
+def compiles_prefill(mode: CaptureMode, device: torch.device) -> bool:
+    """Whether prefills run compiled (``loop.compiled_prefill``): on CUDA wherever the step is compiled. An eager
+    prefill there is bound by launching the model's operators one by one from Python (~30 ms for the default
+    model on an H200); on a CPU the arithmetic sets its pace."""
+    return device.type == "cuda" and mode in (CaptureMode.COMPILE, CaptureMode.COMPILED_GRAPH,
+                                              CaptureMode.REDUCE_OVERHEAD)
+
+
 _COMPILED: dict[str | None, object] = {}
 
 
@@ -84,14 +92,19 @@ def compiled_step(mode: str | None):
     decoder of the process: torch keeps one compiled variant per step kind and shapes, guarded, and a second
     decoder of the same model and trees reuses them instead of compiling again."""
     if mode not in _COMPILED:
-        options = {"triton.cudagraphs": True} if mode == "reduce-overhead" else {}  # what the mode sets
-        if hasattr(torch._inductor.config.triton, "coalesce_tiling_analysis"):
-            # Inductor's coalescing analysis (on by default outside Meta) fails an internal assertion on
-            # this step's symbolic sizes once the batch is larger than one (seen with torch 2.11 on an
-            # H200); without it Inductor picks tilings as it did before the analysis existed.
-            options["triton.coalesce_tiling_analysis"] = False
-        _COMPILED[mode] = torch.compile(decode_step, fullgraph=True, options=options)
+        _COMPILED[mode] = torch.compile(decode_step, fullgraph=True, options=inductor_options(mode == "reduce-overhead"))
     return _COMPILED[mode]
+
+
+def inductor_options(cudagraphs: bool = False) -> dict:
+    """Options of ppd's compilations (``cudagraphs``: what torch's \"reduce-overhead\" mode sets)."""
+    options = {"triton.cudagraphs": True} if cudagraphs else {}
+    if hasattr(torch._inductor.config.triton, "coalesce_tiling_analysis"):
+        # Inductor's coalescing analysis (on by default outside Meta) fails an internal assertion on this
+        # step's symbolic sizes once the batch is larger than one (seen with torch 2.11 on an H200); without it
+        # Inductor picks tilings as it did before the analysis existed.
+        options["triton.coalesce_tiling_analysis"] = False
+    return options
 
 
 def _mark_tree_sizes(tables: TreeTables, prompt_embeds: torch.Tensor) -> None:

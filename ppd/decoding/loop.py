@@ -9,6 +9,7 @@ decided on the device.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -18,10 +19,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..config import CaptureMode, DecodeConfig, DecodeMethod
 from ..prefill import average_copies, build_prefill
-from .kv_cache import cache_keyword
-from .graphs import StepRunner, captures_graphs, resolve_mode
+from .graphs import StepRunner, captures_graphs, compile_limits, compiles_prefill, inductor_options, resolve_mode
 from .state import LENGTH, MAX_LENGTH, REASONS, REPORT_HEAD, DecodeState
-from .step import StepKind, next_tokens, start_rows
+from .step import LanguageModel, StepKind, next_tokens, start_rows
 from .tables import TreeTables
 
 if TYPE_CHECKING:
@@ -140,7 +140,7 @@ def decode(decoder: "Decoder", batch: list[list[int]], config: DecodeConfig) -> 
     try:
         with torch.no_grad():
             reset_rows(decoder, state, lengths, config)
-            prefill(decoder, batch, state, use_ppd, kind)
+            prefill(decoder, batch, state, use_ppd, kind, compiles_prefill(mode, decoder.device))
             report = state.report[:n].tolist()
         progress = Progress([[] for _ in batch], [0] * n, [[] for _ in batch], [None] * n)
         progress.record(report, count_step=False)
@@ -209,9 +209,36 @@ def run_step(decoder: "Decoder", runner: StepRunner, state: DecodeState, tables:
 PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def prefill(decoder: "Decoder", batch: list[list[int]], state: DecodeState, use_ppd: bool, kind: StepKind) -> None:
+def prefill_logits(lm: LanguageModel, state: DecodeState, embeds: torch.Tensor, mask, positions: torch.Tensor,
+                   read: torch.Tensor, prompt_rows: torch.Tensor | None) -> torch.Tensor:
+    """One prefill forward over the first ``n`` rows of ``state``'s cache (inputs ``embeds`` [n, W, hidden],
+    ``mask``, ``positions``), written to slots ``[0, W)``; returns the logits at each row's slots ``read``
+    [n, K] ([n, K, vocab]). The deep prompt tokens' hooks are told the ``prompt_rows``."""
+    n, width = embeds.shape[:2]
+    slots = torch.arange(width, device=embeds.device)[None].expand(n, -1)
+    if lm.offsets is not None:
+        lm.offsets.set(prompt_rows, lm.offset_table)
+    hidden = lm.body(inputs_embeds=embeds, attention_mask=mask, position_ids=positions, use_cache=True,
+                     **{lm.cache_key: state.kv.view(slots, width, rows=n)}).last_hidden_state
+    if lm.offsets is not None:
+        lm.offsets.set(None, None)
+    return lm.logits(hidden.gather(1, read[..., None].expand(-1, -1, hidden.shape[-1])))
+
+
+@functools.cache
+def compiled_prefill():
+    """:func:`prefill_logits` compiled with every size symbolic (rows, prompt width, cache capacity), shared by
+    every decoder of the process: one compilation serves every prompt length and batch of two or more rows
+    (torch specialises a size of one, so a single row has a variant of its own)."""
+    return torch.compile(prefill_logits, dynamic=True, fullgraph=True, options=inductor_options())
+
+
+def prefill(decoder: "Decoder", batch: list[list[int]], state: DecodeState, use_ppd: bool, kind: StepKind,
+            compiled: bool = False) -> None:
     """Run ``[x_b, prompt tokens]`` into the first rows of the state's cache; set each row's length, root,
-    guesses and key. ``kind`` says how the rows sample."""
+    guesses and key. ``kind`` says how the rows sample. ``compiled``: the forward runs compiled
+    (:func:`compiled_prefill`) once the state's cache is allocated, instead of launching each of the model's
+    operators from Python."""
     n = len(batch)
     pt = decoder.prompt_tokens
     n_prompt = pt.num_prompt_tokens if use_ppd else 0
@@ -219,19 +246,16 @@ def prefill(decoder: "Decoder", batch: list[list[int]], state: DecodeState, use_
     attention = pt.config.attention_type if use_ppd else "ensemble"
     table = pt().detach() if use_ppd else None
     inputs = build_prefill(decoder.model, batch, table, n_prompt, V, attention)
-    width = inputs.width
-    state.kv.reserve(width)
-    slots = torch.arange(width, device=state.device)[None].expand(n, -1)
-    hooks = decoder.lm.offsets
-    if hooks is not None:
-        hooks.set(inputs.prompt_rows, decoder.lm.offset_table)
+    state.kv.reserve(inputs.width)
+    read = inputs.keep[inputs.where]  # [n, 1 + N*V]: each row's last token and its prompt rows (one cut a row)
+    args = (decoder.lm, state, inputs.embeds, inputs.mask, inputs.positions, read, inputs.prompt_rows)
     with sdpa_kernel(PREFILL_SDPA):
-        out = decoder.model(inputs_embeds=inputs.embeds, attention_mask=inputs.mask, position_ids=inputs.positions,
-                            use_cache=True, **{cache_keyword(decoder.model): state.kv.view(slots, width, rows=n)},
-                            logits_to_keep=inputs.keep)
-    if hooks is not None:
-        hooks.set(None, None)
-    rows = inputs.rows(out.logits)  # [n, 1 + N*V, vocab]
+        if compiled and state.kv.allocated:  # (the first forward into a state allocates its cache, eagerly)
+            state.kv.buffers()  # a row range's cache slices itself here, eagerly (as for a compiled step)
+            with compile_limits():
+                rows = compiled_prefill()(*args)
+        else:
+            rows = prefill_logits(*args)  # [n, 1 + N*V, vocab]
     state.lengths[:n] = inputs.lengths
     first = state.rows(0, n)
     state.root[:n] = next_tokens(rows[:, 0], first, kind, first.generated)  # output token 0

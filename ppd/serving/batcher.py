@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..config import CaptureMode, DecodeConfig, DecodeMethod
-from ..decoding.graphs import captures_graphs, resolve_mode
+from ..decoding.graphs import captures_graphs, compiles_prefill, resolve_mode
 from ..decoding.loop import batch_bucket, prefill, reset_rows, run_step, steps_to_prepare, whole_width
 from ..decoding.state import REASONS, REPORT_HEAD, RUNNING, DecodeState
 from ..decoding.step import StepKind
@@ -69,6 +69,7 @@ class ContinuousBatcher:
         self.mode = resolve_mode(self.config.capture, decoder.device)
         self._exact = not captures_graphs(self.mode)
         self._whole = whole_width(decoder, self.mode)
+        self._compiled_prefill = compiles_prefill(self.mode, decoder.device)
         self._runner = decoder.runner(self.mode)
         self._lanes: dict[DecodeMethod, _Lane] = {}
         self._waiting: collections.deque[_Pending] = collections.deque()
@@ -276,12 +277,17 @@ class _Lane:
         return self.batcher.decoder.prompt_embeds(tables) if tables is not None else None
 
     def allocate(self) -> None:
-        """Allocate the cache with a one-token prefill into row 0, left as padding."""
+        """Allocate the cache with a prefill into the first row, left as padding; then, where prefills run
+        compiled, compile them with one of a single row and, where the batch holds two, one of two rows."""
+        batcher = self.batcher
         with torch.no_grad():
-            view = self.view(1)
-            reset_rows(self.batcher.decoder, view, [1], DecodeConfig(max_new_tokens=1, stop_on_eos=False))
-            prefill(self.batcher.decoder, [[0]], view, self.use_ppd, StepKind(tree=False))
-            self.state.vacate(0)
+            for n in (1, 1, 2) if batcher.config.max_batch >= 2 else (1, 1):
+                view = self.view(n)
+                reset_rows(batcher.decoder, view, [2] * n, DecodeConfig(max_new_tokens=1, stop_on_eos=False))
+                prefill(batcher.decoder, [[0, 0]] * n, view, self.use_ppd, StepKind(tree=False),
+                        batcher._compiled_prefill)
+            for row in range(n):
+                self.state.vacate(row)
 
     def admit(self, joining: list[_Pending]) -> None:
         """Prefill the joining requests, together, into the rows after the running ones."""
@@ -293,7 +299,8 @@ class _Lane:
                 reset_rows(decoder, self.state.rows(start + i, start + i + 1), [len(pending.ids)], pending.config)
                 pending.stream._started_now()
             view = self.state.rows(start, start + len(joining))
-            prefill(decoder, [p.ids for p in joining], view, self.use_ppd, StepKind.of(False, [p.config for p in joining]))
+            prefill(decoder, [p.ids for p in joining], view, self.use_ppd, StepKind.of(False, [p.config for p in joining]),
+                    self.batcher._compiled_prefill)
             report = view.report.tolist()
         self.batcher.steps_run += 1
         for pending, line in zip(joining, report):
