@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import MAX_EOS_IDS, CaptureMode, DecodeConfig, StepAttention
-from .decoding.graphs import Capture, StepRunner, captures_graphs, resolve_mode
+from .decoding.graphs import Capture, StepRunner, captures_graphs, compiles_prefill, resolve_mode
 from .decoding.loop import PromptTooLongError, batch_bucket, decode, steps_to_prepare, whole_width
 from .decoding.packed_linear import pack_linears
 from .decoding.state import DecodeState, StatePool
@@ -290,15 +290,18 @@ class Decoder:
         start = time.perf_counter()
         runner = self.runner(mode)
         use_ppd = "ppd" in methods and self.tables is not None
-        prefills = ["ppd", "baseline"] if use_ppd and "baseline" in methods else ["ppd" if use_ppd else "baseline"]
+        method = "ppd" if use_ppd else "baseline"
+        # A two-token request allocates the bucket's cache (the state it used is the one leased next); where
+        # prefills run compiled, one more per method compiles its prefill (a one-token prompt would compile a
+        # variant of its own: torch specialises a size of one).
+        prefills = [method]
+        if compiles_prefill(mode, self.device):
+            prefills += ["ppd", "baseline"] if use_ppd and "baseline" in methods else [method]
         for size in batch_sizes:
             bucket = batch_bucket(size, exact=not captures_graphs(mode))
             tables = self.tables_for(bucket) if use_ppd else None
-            # Two-token requests: the first allocates the bucket's cache (the state it used is the one leased
-            # next), then one per method compiles its prefill where prefills run compiled (a one-token prompt
-            # would compile a variant of its own: torch specialises a size of one).
-            for method in [prefills[0], *prefills]:
-                for _ in decode(self, [[0, 0]] * size, DecodeConfig(method=method, max_new_tokens=1, capture=mode)):
+            for name in prefills:
+                for _ in decode(self, [[0, 0]] * size, DecodeConfig(method=name, max_new_tokens=1, capture=mode)):
                     pass
             state = self.states.acquire(bucket)
             try:

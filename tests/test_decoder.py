@@ -182,20 +182,31 @@ def test_a_tree_guessing_past_the_vocabulary_is_refused_at_construction():
         Decoder(model, random_prompt_tokens(model, n=1), trees)
 
 
-def test_a_compiled_prefill_leaves_the_state_the_eager_one_does():
-    """CUDA's compiled modes prefill through one compiled forward: the state it leaves (cache, lengths, roots,
-    guesses) is the eager prefill's, for one row and for rows of different lengths, deep prompt tokens with
-    maps included; one compilation serves every length and batch of two or more rows."""
+def test_a_compiled_prefill_leaves_the_state_the_eager_one_does(monkeypatch):
+    """With ``PPD_COMPILED_PREFILL=1`` CUDA's compiled modes prefill through one compiled forward: the state it
+    leaves (cache, lengths, roots, guesses) is the eager prefill's, for one row and for rows of different
+    lengths, deep prompt tokens with maps included; one compilation serves every length and batch of two or
+    more rows."""
     from torch._dynamo.utils import counters
 
+    from ppd.config import CaptureMode
+    from ppd.decoding.graphs import COMPILED_PREFILL_ENV, compiles_prefill
     from ppd.decoding.loop import prefill, reset_rows
     from ppd.decoding.step import StepKind
 
+    cuda = torch.device("cuda")  # (only named: nothing runs there)
+    monkeypatch.delenv(COMPILED_PREFILL_ENV, raising=False)
+    assert not compiles_prefill(CaptureMode.COMPILED_GRAPH, cuda)  # off by default
+    monkeypatch.setenv(COMPILED_PREFILL_ENV, "1")
+    assert compiles_prefill(CaptureMode.COMPILED_GRAPH, cuda) and not compiles_prefill(CaptureMode.GRAPH, cuda)
+    assert not compiles_prefill(CaptureMode.COMPILE, torch.device("cpu"))
+
     model = tiny_model("llama", seed=4)
     # Without packed weights, as on CUDA (a CPU's packs are looked up by row count, a size compiled in).
-    decoder = Decoder(model, random_prompt_tokens(model, n=3, v=2, seed=4, deep=True, rank=2), random_tree_set(3, size=6),
-                      packed_weights=False)
-    batches = [[[5, 9, 2, 7]], [[5, 9, 2, 7, 7, 1, 4, 4], [3, 8, 1]], [[1, 2], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [8, 9]]]
+    tokens = random_prompt_tokens(model, n=3, v=2, seed=4, deep=True, rank=2)
+    decoder = Decoder(model, tokens, random_tree_set(3, size=6), packed_weights=False)
+    batches = [[[5, 9, 2, 7]], [[5, 9, 2, 7, 7, 1, 4, 4], [3, 8, 1]],
+               [[1, 2], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [8, 9]]]
     config = DecodeConfig(max_new_tokens=8)
     for use_ppd in (True, False):
         for i, batch in enumerate(batches):

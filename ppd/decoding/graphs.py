@@ -76,12 +76,17 @@ def compile_limits():
     return config.patch(**{name: 64})
 
 
+COMPILED_PREFILL_ENV = "PPD_COMPILED_PREFILL"  # "1": prefills run compiled where the step is compiled on CUDA
+
+
 def compiles_prefill(mode: CaptureMode, device: torch.device) -> bool:
-    """Whether prefills run compiled (``loop.compiled_prefill``): on CUDA wherever the step is compiled. An eager
-    prefill there is bound by launching the model's operators one by one from Python (~30 ms for the default
-    model on an H200); on a CPU the arithmetic sets its pace."""
-    return device.type == "cuda" and mode in (CaptureMode.COMPILE, CaptureMode.COMPILED_GRAPH,
-                                              CaptureMode.REDUCE_OVERHEAD)
+    """Whether prefills run compiled (``loop.compiled_prefill``): on CUDA wherever the step is compiled, where
+    ``$PPD_COMPILED_PREFILL`` is ``1``. Off by default: on one H200 (the default model, bf16, MT-Bench prompts)
+    a compiled prefill took 16.5 ms against an eager one's 30 ms (launching the model's operators one by one
+    from Python), but each of its variants (one row or several, with prompt tokens or without) took 100-150 s
+    to compile, which a server pays at every start (results/deep_gpu/h200/v8/)."""
+    return (os.environ.get(COMPILED_PREFILL_ENV) == "1" and device.type == "cuda"
+            and mode in (CaptureMode.COMPILE, CaptureMode.COMPILED_GRAPH, CaptureMode.REDUCE_OVERHEAD))
 
 
 _COMPILED: dict[str | None, object] = {}
@@ -92,7 +97,8 @@ def compiled_step(mode: str | None):
     decoder of the process: torch keeps one compiled variant per step kind and shapes, guarded, and a second
     decoder of the same model and trees reuses them instead of compiling again."""
     if mode not in _COMPILED:
-        _COMPILED[mode] = torch.compile(decode_step, fullgraph=True, options=inductor_options(mode == "reduce-overhead"))
+        _COMPILED[mode] = torch.compile(decode_step, fullgraph=True,
+                                        options=inductor_options(cudagraphs=mode == "reduce-overhead"))
     return _COMPILED[mode]
 
 

@@ -280,8 +280,11 @@ class _Lane:
         """Allocate the cache with a prefill into the first row, left as padding; then, where prefills run
         compiled, compile them with one of a single row and, where the batch holds two, one of two rows."""
         batcher = self.batcher
+        sizes = [1]
+        if batcher._compiled_prefill:
+            sizes += [1, 2] if batcher.config.max_batch >= 2 else [1]
         with torch.no_grad():
-            for n in (1, 1, 2) if batcher.config.max_batch >= 2 else (1, 1):
+            for n in sizes:
                 view = self.view(n)
                 reset_rows(batcher.decoder, view, [2] * n, DecodeConfig(max_new_tokens=1, stop_on_eos=False))
                 prefill(batcher.decoder, [[0, 0]] * n, view, self.use_ppd, StepKind(tree=False),
@@ -299,8 +302,8 @@ class _Lane:
                 reset_rows(decoder, self.state.rows(start + i, start + i + 1), [len(pending.ids)], pending.config)
                 pending.stream._started_now()
             view = self.state.rows(start, start + len(joining))
-            prefill(decoder, [p.ids for p in joining], view, self.use_ppd, StepKind.of(False, [p.config for p in joining]),
-                    self.batcher._compiled_prefill)
+            kind = StepKind.of(False, [p.config for p in joining])
+            prefill(decoder, [p.ids for p in joining], view, self.use_ppd, kind, self.batcher._compiled_prefill)
             report = view.report.tolist()
         self.batcher.steps_run += 1
         for pending, line in zip(joining, report):

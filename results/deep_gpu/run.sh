@@ -6,6 +6,7 @@
 #   bash results/deep_gpu/run.sh grouped repeated        # every batch, trees of 16 and 64 rows beside; key heads repeated
 #   bash results/deep_gpu/run.sh gap folded              # the policy's tree on the baseline's decoder and on its own;
 #                                                        # query heads folded into rows (PPD_GROUPED_SDPA=folded)
+#   bash results/deep_gpu/run.sh gap1 gap1c              # batch 1 alone; the same with PPD_COMPILED_PREFILL=1
 #   bash results/deep_gpu/run.sh long longfolded         # 8K context, dense step with shared key heads; folded
 #   bash results/deep_gpu/run.sh feed8k longmatmul matmul # attention alone at 8K; the matmul layout at 8K and by batch
 # Run after staging the packages (../shared/gpu/README.md; `load` also needs FastAPI and uvicorn staged;
@@ -80,6 +81,11 @@ sys.argv[0] = "eval.batch_speed"; runpy.run_module("eval.batch_speed", run_name=
       # Batch 1 alone: where the gap lies (prefills, or the time per forward pass).
       timeout $(left) python -m eval.batch_speed $ENGINE --batch_sizes 1 --bench mt_bench --max_new_tokens 256 \
         --max_seq_len 1024 --trees $T/tree_128.json --output "$R/batch_speed_gap_b1.json" > "$R/logs/gap1.log" 2>&1; rc=$? ;;
+    gap1c)
+      # gap1 with the prefill compiled (PPD_COMPILED_PREFILL=1; each variant compiles for 100-150 s on a fresh machine).
+      PPD_COMPILED_PREFILL=1 timeout $(left) python -m eval.batch_speed $ENGINE --batch_sizes 1 --bench mt_bench \
+        --max_new_tokens 256 --max_seq_len 1024 --trees $T/tree_128.json --output "$R/batch_speed_gap_b1_compiled_prefill.json" \
+        > "$R/logs/gap1c.log" 2>&1; rc=$? ;;
     gap)
       # The policy's own 128-row tree twice: as the policy, on the decoder that also runs the baseline, and as
       # a --trees variant on a decoder of its own (0.4-0.5 ms a step apart at batch 1 in the sixth session).
