@@ -208,31 +208,32 @@ def test_a_compiled_prefill_leaves_the_state_the_eager_one_does(monkeypatch):
     batches = [[[5, 9, 2, 7]], [[5, 9, 2, 7, 7, 1, 4, 4], [3, 8, 1]],
                [[1, 2], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [8, 9]]]
     config = DecodeConfig(max_new_tokens=8)
-    for use_ppd in (True, False):
-        for i, batch in enumerate(batches):
-            graphs = counters["stats"]["unique_graphs"]
-            states = []
-            for compiled in (False, True):
-                state = decoder.states.acquire(len(batch))
-                with torch.no_grad():
-                    if compiled:  # a first forward allocates the cache, eagerly: other prompts, overwritten
-                        reset_rows(decoder, state, [3] * len(batch), config)
-                        prefill(decoder, [[20, 21, 22]] * len(batch), state, use_ppd, StepKind(tree=False))
-                    reset_rows(decoder, state, [len(x) for x in batch], config)
-                    prefill(decoder, batch, state, use_ppd, StepKind(tree=False), compiled)
-                states.append(state)
-            eager, compiled = states
-            width = max(map(len, batch)) + (6 if use_ppd else 0)
-            for a, b in zip(eager.kv.buffers(), compiled.kv.buffers()):
-                torch.testing.assert_close(b[:, :, :width], a[:, :, :width])
-            for name in ("lengths", "root", "key", "report"):
-                assert torch.equal(getattr(compiled, name), getattr(eager, name)), name
-            if use_ppd:
-                assert torch.equal(compiled.guesses, eager.guesses)
-            if i == 2:  # a third length and batch size: no compilation
-                assert counters["stats"]["unique_graphs"] == graphs
-            for state in states:
-                decoder.states.release(state)
+    # PPD at every batch (its third a length and batch size that compile nothing), the baseline (no prompt rows,
+    # a variant of its own) at one.
+    for i, (use_ppd, batch) in enumerate([(True, b) for b in batches] + [(False, batches[1])]):
+        graphs = counters["stats"]["unique_graphs"]
+        states = []
+        for compiled in (False, True):
+            state = decoder.states.acquire(len(batch))
+            with torch.no_grad():
+                if compiled:  # a first forward allocates the cache, eagerly: other prompts, overwritten
+                    reset_rows(decoder, state, [3] * len(batch), config)
+                    prefill(decoder, [[20, 21, 22]] * len(batch), state, use_ppd, StepKind(tree=False))
+                reset_rows(decoder, state, [len(x) for x in batch], config)
+                prefill(decoder, batch, state, use_ppd, StepKind(tree=False), compiled)
+            states.append(state)
+        eager, compiled = states
+        width = max(map(len, batch)) + (6 if use_ppd else 0)
+        for a, b in zip(eager.kv.buffers(), compiled.kv.buffers()):
+            torch.testing.assert_close(b[:, :, :width], a[:, :, :width])
+        for name in ("lengths", "root", "key", "report"):
+            assert torch.equal(getattr(compiled, name), getattr(eager, name)), name
+        if use_ppd:
+            assert torch.equal(compiled.guesses, eager.guesses)
+        if i == 2:
+            assert counters["stats"]["unique_graphs"] == graphs
+        for state in states:
+            decoder.states.release(state)
 
 
 def test_prefill_runs_without_cudnn_attention_and_steps_with_it():
