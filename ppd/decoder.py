@@ -292,11 +292,10 @@ class Decoder:
         use_ppd = "ppd" in methods and self.tables is not None
         method = "ppd" if use_ppd else "baseline"
         # A two-token request allocates the bucket's cache (the state it used is the one leased next); where
-        # prefills run compiled, one more per method compiles its prefill (a one-token prompt would compile a
-        # variant of its own: torch specialises a size of one).
-        prefills = [method]
-        if compiles_prefill(mode, self.device):
-            prefills += ["ppd", "baseline"] if use_ppd and "baseline" in methods else [method]
+        # prefills run compiled, one per method compiles its prefill (a one-token prompt would compile a variant
+        # of its own: torch specialises a size of one).
+        both = compiles_prefill(mode, self.device) and use_ppd and "baseline" in methods
+        prefills = ["ppd", "baseline"] if both else [method]
         for size in batch_sizes:
             bucket = batch_bucket(size, exact=not captures_graphs(mode))
             tables = self.tables_for(bucket) if use_ppd else None

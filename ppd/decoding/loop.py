@@ -237,8 +237,8 @@ def prefill(decoder: "Decoder", batch: list[list[int]], state: DecodeState, use_
             compiled: bool = False) -> None:
     """Run ``[x_b, prompt tokens]`` into the first rows of the state's cache; set each row's length, root,
     guesses and key. ``kind`` says how the rows sample. ``compiled``: the forward runs compiled
-    (:func:`compiled_prefill`) once the state's cache is allocated, instead of launching each of the model's
-    operators from Python."""
+    (:func:`compiled_prefill`) instead of launching each of the model's operators from Python (a state's first
+    prefill runs eagerly before it, to allocate the cache)."""
     n = len(batch)
     pt = decoder.prompt_tokens
     n_prompt = pt.num_prompt_tokens if use_ppd else 0
@@ -250,7 +250,9 @@ def prefill(decoder: "Decoder", batch: list[list[int]], state: DecodeState, use_
     read = inputs.keep[inputs.where]  # [n, 1 + N*V]: each row's last token and its prompt rows (one cut a row)
     args = (decoder.lm, state, inputs.embeds, inputs.mask, inputs.positions, read, inputs.prompt_rows)
     with sdpa_kernel(PREFILL_SDPA):
-        if compiled and state.kv.allocated:  # (the first forward into a state allocates its cache, eagerly)
+        if compiled and not state.kv.allocated:
+            prefill_logits(*args)  # the first forward into a state allocates its cache: eagerly, once
+        if compiled:
             state.kv.buffers()  # a row range's cache slices itself here, eagerly (as for a compiled step)
             with compile_limits():
                 rows = compiled_prefill()(*args)

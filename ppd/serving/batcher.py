@@ -277,19 +277,17 @@ class _Lane:
         return self.batcher.decoder.prompt_embeds(tables) if tables is not None else None
 
     def allocate(self) -> None:
-        """Allocate the cache with a prefill into the first row, left as padding; then, where prefills run
-        compiled, compile them with one of a single row and, where the batch holds two, one of two rows."""
+        """Allocate the cache with a prefill into the first row, left as padding; where prefills run compiled,
+        this compiles them for a single row, and one of two rows (where the batch holds two) for several."""
         batcher = self.batcher
-        sizes = [1]
-        if batcher._compiled_prefill:
-            sizes += [1, 2] if batcher.config.max_batch >= 2 else [1]
+        sizes = [1, 2] if batcher._compiled_prefill and batcher.config.max_batch >= 2 else [1]
         with torch.no_grad():
             for n in sizes:
                 view = self.view(n)
                 reset_rows(batcher.decoder, view, [2] * n, DecodeConfig(max_new_tokens=1, stop_on_eos=False))
                 prefill(batcher.decoder, [[0, 0]] * n, view, self.use_ppd, StepKind(tree=False),
                         batcher._compiled_prefill)
-            for row in range(n):
+            for row in range(max(sizes)):
                 self.state.vacate(row)
 
     def admit(self, joining: list[_Pending]) -> None:
