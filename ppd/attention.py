@@ -87,13 +87,14 @@ def prefill_layout(
 
 def packed_layout(
     lengths: list[int], cuts: list[list[int]], num_prompt_tokens: int, num_ensemble: int,
-    attention_type: AttentionType | str, device: torch.device | str = "cpu",
+    attention_type: AttentionType | str, device: torch.device | str = "cpu", width_multiple: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mask and positions for ``[x_b, block_1, ..., block_K, padding]``: many cuts of one sequence in one forward.
 
     Row b holds its ``lengths[b]`` real tokens at slots ``[0, L_b)``; then, for its j-th cut ``c = cuts[b][j]``
     (``1 <= c <= L_b``), a block of ``N * V`` prompt rows at ``[L_b + j*N*V, L_b + (j+1)*N*V)``, prompt token k
-    of the block at position ``c + k``; then padding up to ``Q = max_b(L_b + K_b * N * V)``. Real tokens
+    of the block at position ``c + k``; then padding up to ``Q = max_b(L_b + K_b * N * V)``, rounded up to a
+    multiple of ``width_multiple`` (fewer distinct shapes for kernels that plan per shape). Real tokens
     attend causally; a block's rows see the real tokens before their cut, ``x_b[:c]``, and each other as
     ``attention_type`` says, never another block; padding sees only itself. So every block computes exactly
     what the prompt tokens compute appended after ``x_b[:c]`` alone (the frozen real tokens never see a block).
@@ -110,7 +111,7 @@ def packed_layout(
     lengths_t = torch.tensor(lengths, device=device)
     cut_t = torch.tensor([row + [0] * (most - len(row)) for row in cuts], device=device).reshape(len(cuts), most)
     count_t = torch.tensor([len(row) for row in cuts], device=device)
-    width = max(n + len(row) * n_rows for n, row in zip(lengths, cuts))
+    width = -(-max(n + len(row) * n_rows for n, row in zip(lengths, cuts)) // width_multiple) * width_multiple
     slot = torch.arange(width, device=device)
     length = lengths_t[:, None]  # [B, 1]
     is_real = slot[None, :] < length  # [B, Q]
@@ -134,6 +135,18 @@ def packed_layout(
     if n_rows:
         positions = torch.where(is_prompt, cut + (rel.clamp(min=0) % n_rows) // num_ensemble, positions)
     return allowed, positions
+
+
+# The SDPA kernels for a forward whose shape changes call to call (prefills, training batches): all but cuDNN's.
+# cuDNN's attention builds an execution plan for every new shape, and such a forward's shape (rows by width) is
+# new nearly every time: on one H200 a decoder's prefills of 32 MT-Bench prompts took 109-117 ms each where it
+# met each shape first, and 64 ms on a second decoder that prefilled the same shapes right after it
+# (results/deep_gpu/h200/v7/batch_speed_gap_b1.json). Captured steps keep cuDNN: their shapes are fixed.
+def plan_free_sdpa():
+    """A context in which scaled-dot-product attention picks among the kernels that need no per-shape plan."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def within_window(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:

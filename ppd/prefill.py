@@ -41,17 +41,19 @@ class PrefillInputs:
 
 def build_prefill(model, batch: list[list[int]], prompt_table: torch.Tensor | None, num_prompt_tokens: int,
                   num_ensemble: int = 1, attention_type: AttentionType | str = AttentionType.ENSEMBLE,
-                  cuts: list[list[int]] | None = None) -> PrefillInputs:
+                  cuts: list[list[int]] | None = None, width_multiple: int = 1) -> PrefillInputs:
     """Inputs of one prefill forward over ``batch`` (lists of token ids) with the ``prompt_table`` rows
     ([N * V, hidden], any dtype; gradients flow into it) appended after each row's tokens, or, with
-    ``cuts``, one block of them per cut ``c`` of a row, reading that row's first ``c`` tokens."""
+    ``cuts``, one block of them per cut ``c`` of a row, reading that row's first ``c`` tokens. The width is
+    rounded up to a multiple of ``width_multiple`` with padding."""
     embedding = model.get_input_embeddings()
     device = embedding.weight.device
     lengths = [len(x) for x in batch]
     if min(lengths) < 1:
         raise ValueError("every prompt needs at least one token")
     cuts = [[n] for n in lengths] if cuts is None else [list(row) for row in cuts]
-    allowed, positions = packed_layout(lengths, cuts, num_prompt_tokens, num_ensemble, attention_type, device)
+    allowed, positions = packed_layout(lengths, cuts, num_prompt_tokens, num_ensemble, attention_type, device,
+                                       width_multiple)
     width = allowed.shape[1]
     ids = torch.zeros(len(batch), width, dtype=torch.long)
     for b, x in enumerate(batch):
@@ -70,9 +72,11 @@ def build_prefill(model, batch: list[list[int]], prompt_table: torch.Tensor | No
         rel = torch.arange(width)[None, :] - torch.tensor(lengths)[:, None]  # [B, Q]
         is_prompt = (rel >= 0) & (rel < torch.tensor([len(row) * n_rows for row in cuts])[:, None])
         table = prompt_table.to(device=device, dtype=embeds.dtype)
-        table_row = rel.clamp(min=0) % n_rows
-        embeds = torch.where(is_prompt.to(device)[..., None], table[table_row.to(device)], embeds)
-        prompt_rows = prompt_row_index(is_prompt, table_row).to(device)
+        prompt_rows = prompt_row_index(is_prompt, rel.clamp(min=0) % n_rows).to(device)
+        # Row 0 of the lookup is every real token's: no gradient to add up there (see deep_prompts' hooks).
+        looked_up = torch.nn.functional.embedding(prompt_rows, torch.cat([table.new_zeros(1, table.shape[1]), table]),
+                                                  padding_idx=0)
+        embeds = torch.where(is_prompt.to(device)[..., None], looked_up, embeds)
     keep = sorted({slot for _, row in wanted for slot in row})
     index = {slot: i for i, slot in enumerate(keep)}
     where = torch.tensor([[index[slot] for slot in row] for _, row in wanted], device=device)

@@ -13,12 +13,14 @@ of a cut is the same whether it trains alone or packed with others; one forward 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from enum import Enum
 
 import torch
 from torch import nn
 
+from .attention import plan_free_sdpa
 from .deep_prompts import deep_weights, hooks_for
 from .losses import cross_entropy_loss, distillation_loss
 from .prefill import average_copies, build_prefill
@@ -53,6 +55,11 @@ class PromptTokenModel(nn.Module):
         # Deep prompt tokens: hooks on the base model's layers add the offsets at the prompt rows of each forward.
         self.layer_offsets = hooks_for(base_model, prompt_tokens)
         self.checkpointing = False
+        # A batch's width is rounded up to a multiple of this on a GPU, so that cuDNN's attention, which builds
+        # an execution plan for every new shape (~0.5 s for a forward and backward on an H200), meets a few
+        # dozen shapes in a run instead of a new one nearly every step (results/train/profile/).
+        self.width_multiple = 128 if next(base_model.parameters()).device.type == "cuda" else 1
+        self.plan_free_attention = False  # True: attention only by kernels without per-shape plans (not cuDNN)
 
     def gradient_checkpointing_enable(self, **kwargs) -> None:
         """Called by ``Trainer`` for ``--gradient_checkpointing``: recompute the base model's activations
@@ -83,11 +90,12 @@ class PromptTokenModel(nn.Module):
             for row, cut in zip(cut_rows.tolist(), cut_lengths.tolist()):
                 cuts[row].append(cut)
         inputs = build_prefill(self.base_model, batch, self.prompt_tokens(), config.num_prompt_tokens,
-                               config.num_ensemble, config.attention_type, cuts)
+                               config.num_ensemble, config.attention_type, cuts, self.width_multiple)
         if self.layer_offsets is not None:
             self.layer_offsets.set(inputs.prompt_rows, deep_weights(self.prompt_tokens))
-        out = self.base_model(inputs_embeds=inputs.embeds, attention_mask=inputs.mask, position_ids=inputs.positions,
-                              use_cache=False, logits_to_keep=inputs.keep)
+        with plan_free_sdpa() if self.plan_free_attention else contextlib.nullcontext():
+            out = self.base_model(inputs_embeds=inputs.embeds, attention_mask=inputs.mask,
+                                  position_ids=inputs.positions, use_cache=False, logits_to_keep=inputs.keep)
         if self.layer_offsets is not None and not self.checkpointing:  # a checkpointed backward recomputes it
             self.layer_offsets.set(None, None)
         return average_copies(inputs.rows(out.logits)[:, 1:], config.num_prompt_tokens, config.num_ensemble)

@@ -64,6 +64,9 @@ def test_packed_cuts_give_the_losses_and_gradients_of_single_cuts(arch, window, 
             i += 1
     collate = PromptTokenCollator()
     packed_losses, packed_grad = _loss_and_grad(trainer, collate(features))
+    trainer.width_multiple = 16  # padded to a multiple of 16 slots (as on a GPU): nothing changes
+    padded_losses, padded_grad = _loss_and_grad(trainer, collate(features))
+    trainer.width_multiple = 1
     # One cut per forward, and all single cuts in one padded batch: both the same as packed.
     alone = [_loss_and_grad(trainer, collate([s])) for s in singles]
     single_losses = torch.cat([loss for loss, _ in alone])
@@ -73,6 +76,8 @@ def test_packed_cuts_give_the_losses_and_gradients_of_single_cuts(arch, window, 
     torch.testing.assert_close(packed_losses, single_losses, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(batched_losses, single_losses, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(packed_grad, single_grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(padded_losses, packed_losses, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(padded_grad, packed_grad, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(batched_grad, single_grad, rtol=1e-4, atol=1e-6)
     assert packed_grad.abs().sum() > 0
 

@@ -250,6 +250,18 @@ def load_base(model_args: ModelArguments, device: torch.device, gradient_checkpo
     return model.requires_grad_(False).eval(), tokenizer, info
 
 
+def new_prompt_tokens(pt_args: PromptTokenArguments, model_args: ModelArguments, base, tokenizer,
+                      model_info) -> PromptTokens:
+    """Fresh prompt tokens as the flags describe them, initialised from ``--init_text``."""
+    config = PromptTokenConfig(
+        num_prompt_tokens=pt_args.num_prompt_tokens, num_ensemble=pt_args.num_ensemble,
+        attention_type=pt_args.vt_attention_type, base_model=model_info.model_id,
+        base_model_revision=model_info.revision, init_text=pt_args.init_text, deep=pt_args.deep,
+        map_rank=pt_args.map_rank, base_adapter=str(model_args.base_adapter or ""),
+    )
+    return PromptTokens.from_text(base, tokenizer, config)
+
+
 def main(argv: list[str] | None = None) -> int:
     from transformers.trainer_utils import get_last_checkpoint
 
@@ -294,14 +306,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"train: error: {error}", file=sys.stderr)
             return 1
     else:
-        config = PromptTokenConfig(
-            num_prompt_tokens=pt_args.num_prompt_tokens, num_ensemble=pt_args.num_ensemble,
-            attention_type=pt_args.vt_attention_type, base_model=model_info.model_id,
-            base_model_revision=model_info.revision, init_text=pt_args.init_text, deep=pt_args.deep,
-            map_rank=pt_args.map_rank,
-            base_adapter=str(model_args.base_adapter or ""),
-        )
-        prompt_tokens = PromptTokens.from_text(base, tokenizer, config)
+        prompt_tokens = new_prompt_tokens(pt_args, model_args, base, tokenizer, model_info)
     model = PromptTokenModel(base, prompt_tokens, pt_args.objective, pt_args.loss_decay)
     trainer = PromptTokenTrainer(
         model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ..attention import plan_free_sdpa
 from ..config import CaptureMode, DecodeConfig, DecodeMethod
 from ..prefill import average_copies, build_prefill
 from .graphs import StepRunner, captures_graphs, compile_limits, compiles_prefill, inductor_options, resolve_mode
@@ -201,14 +201,6 @@ def run_step(decoder: "Decoder", runner: StepRunner, state: DecodeState, tables:
         return state.report[:rows_read].tolist()
 
 
-# The SDPA kernels an eager prefill may use: all but cuDNN's. cuDNN's attention builds an execution plan for
-# every new shape, and a prefill's shape (prompt rows by their width) is new for nearly every request: on one
-# H200 a decoder's prefills of 32 MT-Bench prompts took 109-117 ms each where it met each shape first, and 64 ms
-# on a second decoder that prefilled the same shapes right after it (results/deep_gpu/h200/v7/
-# batch_speed_gap_b1.json). Captured steps keep cuDNN: their shapes are fixed when the graph is captured.
-PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
 def prefill_logits(lm: LanguageModel, state: DecodeState, embeds: torch.Tensor, mask, positions: torch.Tensor,
                    read: torch.Tensor, prompt_rows: torch.Tensor | None) -> torch.Tensor:
     """One prefill forward over the first ``n`` rows of ``state``'s cache (inputs ``embeds`` [n, W, hidden],
@@ -249,7 +241,7 @@ def prefill(decoder: "Decoder", batch: list[list[int]], state: DecodeState, use_
     state.kv.reserve(inputs.width)
     read = inputs.keep[inputs.where]  # [n, 1 + N*V]: each row's last token and its prompt rows (one cut a row)
     args = (decoder.lm, state, inputs.embeds, inputs.mask, inputs.positions, read, inputs.prompt_rows)
-    with sdpa_kernel(PREFILL_SDPA):
+    with plan_free_sdpa():
         if compiled and not state.kv.allocated:
             prefill_logits(*args)  # the first forward into a state allocates its cache: eagerly, once
         if compiled:

@@ -5,6 +5,7 @@
 #   bash results/train/scaling/run.sh speed     # examples/s: 1 process, then accelerate on 2 GPUs (eval.train_speed)
 #   bash results/train/scaling/run.sh quality   # one epoch on 1 GPU and on 2 (same and twice the global batch)
 #   RUNS="1:8::3e-3 2:8:1.4e-2:4.2e-3" bash results/train/scaling/run.sh quality   # chosen runs, with low-rank maps
+#   bash results/train/scaling/run.sh profile   # a step's wall and device time on one GPU, three attention variants
 # Needs a 2-GPU machine (nvidia-h100-x2) and the staged packages (../shared/gpu/README.md). Every phase skips
 # what an earlier call finished; results go to $OUT/scaling.
 set -uo pipefail
@@ -48,6 +49,11 @@ for phase in "$@"; do
           --per_device_eval_batch_size 16 --save_strategy no > "$R/logs/quality_$name.log" 2>&1
         cp "$out/training_log.json" "$R/training_log_$name.json" 2>/dev/null
       done ;;
+    profile)  # where a step's time goes on one GPU (eval.train_profile): cuDNN's attention on widths padded to
+              # multiples of 128 (the default), without cuDNN, and cuDNN on unpadded widths (a plan per step)
+      [ -f "$R/train_profile.json" ] || CUDA_VISIBLE_DEVICES=0 python -m eval.train_profile --dataset_path "$W/sd-targets" \
+        --batch_sizes 8 4 --steps 10 --warmup 5 --variants any:128 plan_free:1 any:1 --output "$R/train_profile.json" \
+        -- $TRAIN --map_rank 16 > "$R/logs/profile.log" 2>&1 ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
   echo "$phase: $((SECONDS - start)) s" | tee -a "$R/logs/timings.txt"
