@@ -60,6 +60,7 @@ class LayerOffsets:
     def __init__(self, model):
         self.rows: torch.Tensor | None = None
         self.table: DeepWeights | None = None
+        self.selected: torch.Tensor | None = None
         self.handles = [layer.register_forward_hook(self._hook(i)) for i, layer in enumerate(decoder_layers(model))]
         self.num_layers = len(self.handles)
 
@@ -79,7 +80,7 @@ class LayerOffsets:
             # a training step's device time (results/train/profile/).
             moved = hidden + nn.functional.embedding(self.rows, table.offsets[index].to(dtype), padding_idx=0)
             if table.down is not None:
-                own = (hidden @ table.down[index].to(dtype)) * table.select.to(dtype)[self.rows]
+                own = (hidden @ table.down[index].to(dtype)) * self.selected.to(dtype)
                 moved = moved + own @ table.up[index].to(dtype)
             hidden = moved
             return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
@@ -88,6 +89,8 @@ class LayerOffsets:
     def set(self, rows: torch.Tensor | None, table: DeepWeights | None) -> None:
         """What the next forward adds: ``table`` at ``rows`` (None, None: nothing)."""
         self.rows, self.table = rows, table
+        # Each row's block selector for the maps, looked up once for every layer of the forward.
+        self.selected = None if rows is None or table.down is None else table.select[rows]
 
 
 def layer_offsets(model) -> LayerOffsets:

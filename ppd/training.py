@@ -92,7 +92,8 @@ class PromptTokenModel(nn.Module):
         inputs = build_prefill(self.base_model, batch, self.prompt_tokens(), config.num_prompt_tokens,
                                config.num_ensemble, config.attention_type, cuts, self.width_multiple)
         if self.layer_offsets is not None:
-            self.layer_offsets.set(inputs.prompt_rows, deep_weights(self.prompt_tokens))
+            # (cast to the forward's dtype once, not in every layer's hook)
+            self.layer_offsets.set(inputs.prompt_rows, deep_weights(self.prompt_tokens, inputs.embeds.dtype))
         with plan_free_sdpa() if self.plan_free_attention else contextlib.nullcontext():
             out = self.base_model(inputs_embeds=inputs.embeds, attention_mask=inputs.mask,
                                   position_ids=inputs.positions, use_cache=False, logits_to_keep=inputs.keep)

