@@ -123,14 +123,23 @@ def profile_batch_size(model, dataset, collator, optimizer, device, size: int, a
 
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
-    model, dataset, collator, training_args = load(args)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=training_args.learning_rate)
-    results = []
+    variants = []
     for variant in args.variants:
         attention, _, multiple = variant.partition(":")
         if attention not in ("any", "plan_free") or not multiple.isdigit() or int(multiple) < 1:
             raise SystemExit(f"train_profile: error: --variants {variant!r}: expected any|plan_free:MULTIPLE")
-        model.plan_free_attention, model.width_multiple = attention == "plan_free", int(multiple)
+        variants.append((variant, attention == "plan_free", int(multiple)))
+    if min(args.batch_sizes) < 1 or args.steps < 1 or args.warmup < 0:
+        raise SystemExit("train_profile: error: batch sizes and --steps must be at least 1, --warmup at least 0")
+    model, dataset, collator, training_args = load(args)
+    needed = max(args.batch_sizes) * (args.warmup + 2 * args.steps)
+    if needed > len(dataset):
+        raise SystemExit(f"train_profile: error: {len(dataset)} conversations in the dataset, {needed} needed "
+                         "(the largest batch size times --warmup + 2 x --steps)")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=training_args.learning_rate)
+    results = []
+    for variant, plan_free, multiple in variants:
+        model.plan_free_attention, model.width_multiple = plan_free, multiple
         results += [{"variant": variant, **profile_batch_size(model, dataset, collator, optimizer,
                                                                training_args.device, size, args)}
                     for size in args.batch_sizes]

@@ -391,3 +391,23 @@ def test_a_resumed_run_writes_the_log_of_an_uninterrupted_one(tiny_setup, tmp_pa
     assert "initial_loss" in resumed["initial_eval"]
     assert [e["step"] for e in resumed["log_history"] if "loss" in e] == [1, 2, 3, 4, 5, 6]
     assert comparable(resumed) == comparable(full)
+
+
+def test_the_training_step_profile_reports_every_variant_and_batch_size(tiny_setup, tmp_path):
+    from eval import train_profile
+
+    out = tmp_path / "profile.json"
+    assert train_profile.main(["--dataset_path", str(tiny_setup / "data"), "--batch_sizes", "4", "2", "--steps", "2",
+                               "--warmup", "1", "--variants", "any:1", "plan_free:16", "--output", str(out), "--",
+                               "--model", str(tiny_setup / "model"), "--deep", "--map_rank", "2"]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [(r["variant"], r["batch_size"]) for r in results] == [("any:1", 4), ("any:1", 2), ("plan_free:16", 4),
+                                                                   ("plan_free:16", 2)]
+    for r in results:
+        assert r["cuts_per_step"] == r["batch_size"] and r["wall_ms_per_step"] > 0 and r["kernels_per_step"] > 0
+        assert any("mm" in k["kernel"] for k in r["top"])  # on a CPU: the operators' own time
+    with pytest.raises(SystemExit, match="expected any|plan_free:MULTIPLE"):
+        train_profile.main(["--dataset_path", str(tiny_setup / "data"), "--variants", "cudnn:0"])
+    with pytest.raises(SystemExit, match="40 conversations in the dataset, 84 needed"):
+        train_profile.main(["--dataset_path", str(tiny_setup / "data"), "--batch_sizes", "4", "--steps", "10",
+                            "--warmup", "1", "--", "--model", str(tiny_setup / "model")])
