@@ -11,7 +11,9 @@ the optimizer (AdamW) as one step of ``train.train`` runs them, without the Trai
 same steps again under ``torch.profiler``. Reports per step the wall time, the kernels' summed device time
 (the rest is the device idle: host work between kernels) and the kernels that take the most. How the wall
 time grows with the batch shows the step's fixed cost: what two processes of half the batch each still pay
-in full. Writes JSON and a markdown table.
+in full. ``--torch_compile`` among the training flags runs the base model compiled, as ``train.train`` does
+with it (the warm-up steps of the first batch size compile; ``warmup_s`` says how long they took). Writes JSON
+and a markdown table.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def load(args: argparse.Namespace):
     """The model, dataset and collator ``train.train`` would build from the same flags."""
     from ppd.models import resolve_model
     from ppd.training import PromptTokenCollator, PromptTokenModel
-    from train.train import load_base, load_dataset_for, make_parser as train_parser, new_prompt_tokens
+    from train.train import compile_if_asked, load_base, load_dataset_for, make_parser as train_parser, new_prompt_tokens
 
     flags = [a for a in args.train_args if a != "--"]
     model_args, data_args, pt_args, training_args = train_parser().parse_args_into_dataclasses(
@@ -56,6 +58,7 @@ def load(args: argparse.Namespace):
     base, tokenizer, model_info = load_base(model_args, training_args.device, False)
     prompt_tokens = new_prompt_tokens(pt_args, model_args, base, tokenizer, model_info)
     model = PromptTokenModel(base, prompt_tokens, pt_args.objective, pt_args.loss_decay).to(training_args.device)
+    compile_if_asked(model, training_args)  # --torch_compile: every variant's steps run the base model compiled
     collator = PromptTokenCollator(num_prompt_tokens=pt_args.num_prompt_tokens)
     return model, dataset, collator, training_args
 
@@ -78,9 +81,11 @@ def profile_batch_size(model, dataset, collator, optimizer, device, size: int, a
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
+    started = time.perf_counter()
     for batch in batches[: args.warmup]:
         step(batch)
     synchronize()
+    warmup_s = time.perf_counter() - started  # with --torch_compile, the first batch size's compilation too
     timed = batches[args.warmup: args.warmup + args.steps]
     started = time.perf_counter()
     for batch in timed:
@@ -115,7 +120,7 @@ def profile_batch_size(model, dataset, collator, optimizer, device, size: int, a
     cuts = sum(int(b["cut_lengths"].numel()) for b in timed) / args.steps
     tokens = sum(b["input_ids"].numel() for b in timed) / args.steps
     return {"batch_size": size, "cuts_per_step": cuts, "padded_tokens_per_step": tokens, "data_ms_per_batch": data_ms,
-            "wall_ms_per_step": 1e3 * wall, "cuts_per_s": cuts / wall,
+            "warmup_s": warmup_s, "wall_ms_per_step": 1e3 * wall, "cuts_per_s": cuts / wall,
             "device_ms_per_step": sum(r[2] for r in rows) / 1e3, "kernels_per_step": sum(r[1] for r in rows),
             "top": [{"kernel": n, "calls_per_step": c, "us_per_step": t} for n, c, t in rows[: args.top]],
             "top_host": [{"operator": n, "calls_per_step": c, "us_per_step": t} for n, c, t in host_rows[: args.top]]}

@@ -60,6 +60,15 @@ class PromptTokenModel(nn.Module):
         # dozen shapes in a run instead of a new one nearly every step (results/train/profile/).
         self.width_multiple = 128 if next(base_model.parameters()).device.type == "cuda" else 1
         self.plan_free_attention = False  # True: attention only by kernels without per-shape plans (not cuDNN)
+        object.__setattr__(self, "compiled_base", None)  # see compile_base (not a submodule: the base's own weights)
+
+    def compile_base(self, backend: str | None = None, mode: str | None = None) -> None:
+        """Run the frozen base model's forward (and so its backward) compiled from now on, with every size
+        symbolic: one compilation serves every batch width, the deep prompt tokens' hooks inside it (a batch of
+        one row, as torch specialises a size of one, compiles once more). The prompt-token inputs are still built
+        on the host each step; evaluation, without gradients, runs the base model as it is."""
+        compiled = torch.compile(self.base_model, dynamic=True, backend=backend or "inductor", mode=mode)
+        object.__setattr__(self, "compiled_base", compiled)
 
     def gradient_checkpointing_enable(self, **kwargs) -> None:
         """Called by ``Trainer`` for ``--gradient_checkpointing``: recompute the base model's activations
@@ -94,9 +103,10 @@ class PromptTokenModel(nn.Module):
         if self.layer_offsets is not None:
             # (cast to the forward's dtype once, not in every layer's hook)
             self.layer_offsets.set(inputs.prompt_rows, deep_weights(self.prompt_tokens, inputs.embeds.dtype))
+        body = self.compiled_base if self.compiled_base is not None and torch.is_grad_enabled() else self.base_model
         with plan_free_sdpa() if self.plan_free_attention else contextlib.nullcontext():
-            out = self.base_model(inputs_embeds=inputs.embeds, attention_mask=inputs.mask,
-                                  position_ids=inputs.positions, use_cache=False, logits_to_keep=inputs.keep)
+            out = body(inputs_embeds=inputs.embeds, attention_mask=inputs.mask, position_ids=inputs.positions,
+                       use_cache=False, logits_to_keep=inputs.keep)
         if self.layer_offsets is not None and not self.checkpointing:  # a checkpointed backward recomputes it
             self.layer_offsets.set(None, None)
         return average_copies(inputs.rows(out.logits)[:, 1:], config.num_prompt_tokens, config.num_ensemble)

@@ -411,3 +411,33 @@ def test_the_training_step_profile_reports_every_variant_and_batch_size(tiny_set
     with pytest.raises(SystemExit, match="40 conversations in the dataset, 84 needed"):
         train_profile.main(["--dataset_path", str(tiny_setup / "data"), "--batch_sizes", "4", "--steps", "10",
                             "--warmup", "1", "--", "--model", str(tiny_setup / "model")])
+
+
+def test_torch_compile_trains_what_the_eager_base_model_trains(tiny_setup, tmp_path):
+    """``--torch_compile`` compiles the base model's forward alone (every size dynamic, the deep tokens' hooks and
+    maps inside): after steps over batches of different widths the prompt tokens are those of the eager run, and
+    the Trainer's own compile of the whole module stays off."""
+    common = ["--max_steps", "4", "--deep", "--map_rank", "2", "--save_strategy", "no"]
+    assert run_tiny(tiny_setup, tmp_path / "eager", *common) == 0
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    assert run_tiny(tiny_setup, tmp_path / "compiled", *common, "--torch_compile") == 0
+    assert counters["stats"]["unique_graphs"] - graphs == 1  # one graph for the four steps' different widths
+    logs = {name: json.loads((tmp_path / name / "training_log.json").read_text()) for name in ("eager", "compiled")}
+    assert logs["compiled"]["compiled_base"] and not logs["eager"]["compiled_base"]
+    assert not logs["compiled"]["training_arguments"]["torch_compile"]
+    eager = load_file(str(tmp_path / "eager" / "prompt_tokens.safetensors"))
+    compiled = load_file(str(tmp_path / "compiled" / "prompt_tokens.safetensors"))
+    assert set(compiled) == set(eager) and len(eager) == 4  # embeddings, offsets, the maps' two halves
+    for name, value in eager.items():
+        torch.testing.assert_close(compiled[name], value, rtol=1e-4, atol=1e-5)
+
+
+def test_torch_compile_with_gradient_checkpointing_is_refused(tmp_path, capsys, nothing_loads):
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--dataset_path", str(tmp_path / "data"), "--output_dir", str(tmp_path / "out"),
+                    "--torch_compile", "--gradient_checkpointing"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == ("train: error: --torch_compile and --gradient_checkpointing cannot be combined "
+                                       "here: choose one\n")

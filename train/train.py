@@ -161,6 +161,8 @@ def check_training_arguments(args) -> None:
         value = getattr(args, name)
         if strategy == "steps" and value is not None:
             _require(positive(value), name, value, "a finite number > 0")
+    if args.torch_compile and args.gradient_checkpointing:
+        raise ValueError("--torch_compile and --gradient_checkpointing cannot be combined here: choose one")
     if args.n_gpu > 1:  # the Trainer would split each batch over them with nn.DataParallel, for which neither the
         # deep prompt tokens' layer hooks nor the packed batches are made; one process per GPU is the way
         raise ValueError(f"this one process sees {args.n_gpu} GPUs: start one process per GPU (accelerate launch "
@@ -262,6 +264,17 @@ def new_prompt_tokens(pt_args: PromptTokenArguments, model_args: ModelArguments,
     return PromptTokens.from_text(base, tokenizer, config)
 
 
+def compile_if_asked(model: PromptTokenModel, args) -> bool:
+    """``--torch_compile``: compile the frozen base model's forward (``PromptTokenModel.compile_base``, with
+    ``--torch_compile_backend`` / ``--torch_compile_mode``) instead of letting the Trainer compile the whole module
+    (its host-side input building included), and switch the Trainer's own compile off. True if compiled."""
+    if not args.torch_compile:
+        return False
+    model.compile_base(args.torch_compile_backend, args.torch_compile_mode)
+    args.torch_compile, args.torch_compile_backend, args.torch_compile_mode = False, None, None
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     from transformers.trainer_utils import get_last_checkpoint
 
@@ -308,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         prompt_tokens = new_prompt_tokens(pt_args, model_args, base, tokenizer, model_info)
     model = PromptTokenModel(base, prompt_tokens, pt_args.objective, pt_args.loss_decay)
+    compiled = compile_if_asked(model, training_args)
     trainer = PromptTokenTrainer(
         model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
         data_collator=PromptTokenCollator(num_prompt_tokens=pt_args.num_prompt_tokens),
@@ -353,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
                         "eval_examples": eval_dataset.num_cuts if eval_dataset is not None else 0,
                         "cuts_per_forward": data_args.cuts_per_forward},
             "training_arguments": training_args.to_dict(), "world_size": training_args.world_size,
-            "train_seconds": train_seconds,
+            "train_seconds": train_seconds, "compiled_base": compiled,
             # this call of train() (a resumed run counts the steps after the checkpoint)
             "throughput": {"examples": cuts_trained, "seconds": train_seconds,
                            "examples_per_s": cuts_trained / train_seconds if train_seconds > 0 else None},
