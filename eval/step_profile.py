@@ -49,6 +49,19 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def kernels_per_step(events, on_cpu: bool, steps: int) -> list[list]:
+    """``[name, calls, microseconds]`` per step of each device kernel in profiler ``events`` (``on_cpu``: of each
+    host operator, by its own CPU time), the most time first."""
+    table: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for event in events:
+        if (event.device_type == torch.autograd.DeviceType.CPU) == on_cpu:
+            entry = table[event.name]
+            entry[0] += 1
+            entry[1] += event.self_cpu_time_total if on_cpu else event.time_range.elapsed_us()
+    return sorted(([name, count / steps, total / steps] for name, (count, total) in table.items()),
+                  key=lambda r: -r[2])
+
+
 def profile_steps(decoder: Decoder, method: str, args: argparse.Namespace) -> dict:
     """Kernels per step of ``method`` (see the module docstring)."""
     batch = [timing_prompt(decoder, args.context)] * args.batch_size
@@ -71,15 +84,8 @@ def profile_steps(decoder: Decoder, method: str, args: argparse.Namespace) -> di
     wall = time.perf_counter() - start
     profiler.stop()
     steps = max(max(progress.steps), 1)
-    kernels: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    on_cpu = decoder.device.type == "cpu"  # then the operators' own CPU time stands for the kernels'
-    for event in profiler.events():
-        if (event.device_type == torch.autograd.DeviceType.CPU) == on_cpu:
-            entry = kernels[event.name]
-            entry[0] += 1
-            entry[1] += event.self_cpu_time_total if on_cpu else event.time_range.elapsed_us()
-    rows = sorted(([name, count / steps, total / steps] for name, (count, total) in kernels.items()),
-                  key=lambda r: -r[2])
+    # on a CPU the operators' own CPU time stands for the kernels'
+    rows = kernels_per_step(profiler.events(), decoder.device.type == "cpu", steps)
     tables = decoder.tables_for_batch(len(batch), args.capture) if method == "ppd" else None
     return {"method": method, "rows": tables.num_rows if tables is not None else 1, "steps": steps,
             "wall_us_per_step": 1e6 * wall / steps, "kernels_per_step": sum(r[1] for r in rows),

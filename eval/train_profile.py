@@ -21,11 +21,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections import defaultdict
 
 import torch
 
 from .records import environment, write_json
+from .step_profile import kernels_per_step
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -100,23 +100,10 @@ def profile_batch_size(model, dataset, collator, optimizer, device, size: int, a
         for batch in batches[args.warmup + args.steps:]:
             step(batch)
         synchronize()
-    kernels: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    host: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])  # operators, by their own host time
-    on_cpu = device.type == "cpu"  # then the operators' own CPU time stands for the kernels'
-    for event in profiler.events():
-        if event.device_type == torch.autograd.DeviceType.CPU:
-            host[event.name][0] += 1
-            host[event.name][1] += event.self_cpu_time_total
-        if (event.device_type == torch.autograd.DeviceType.CPU) == on_cpu:
-            entry = kernels[event.name]
-            entry[0] += 1
-            entry[1] += event.self_cpu_time_total if on_cpu else event.time_range.elapsed_us()
-
-    def per_step(table: dict) -> list:
-        return sorted(([name, count / args.steps, total / args.steps] for name, (count, total) in table.items()),
-                      key=lambda r: -r[2])
-
-    rows, host_rows = per_step(kernels), per_step(host)
+    events = profiler.events()
+    # on a CPU the operators' own CPU time stands for the kernels'; the host operators by their own time
+    rows = kernels_per_step(events, device.type == "cpu", args.steps)
+    host_rows = kernels_per_step(events, True, args.steps)
     cuts = sum(int(b["cut_lengths"].numel()) for b in timed) / args.steps
     tokens = sum(b["input_ids"].numel() for b in timed) / args.steps
     return {"batch_size": size, "cuts_per_step": cuts, "padded_tokens_per_step": tokens, "data_ms_per_batch": data_ms,
