@@ -11,8 +11,8 @@ the optimizer (AdamW) as one step of ``train.train`` runs them, without the Trai
 same steps again under ``torch.profiler``. Reports per step the wall time, the kernels' summed device time
 (the rest is the device idle: host work between kernels) and the kernels that take the most. How the wall
 time grows with the batch shows the step's fixed cost: what two processes of half the batch each still pay
-in full. ``--torch_compile`` among the training flags runs the base model compiled, as ``train.train`` does
-with it (the warm-up steps of the first batch size compile; ``warmup_s`` says how long they took). Writes JSON
+in full. ``--torch_compile`` among the training flags runs the base model's layers compiled, as ``train.train``
+does with it (the warm-up steps of the first batch size compile; ``warmup_s`` says how long they took). Writes JSON
 and a markdown table.
 """
 
@@ -58,7 +58,7 @@ def load(args: argparse.Namespace):
     base, tokenizer, model_info = load_base(model_args, training_args.device, False)
     prompt_tokens = new_prompt_tokens(pt_args, model_args, base, tokenizer, model_info)
     model = PromptTokenModel(base, prompt_tokens, pt_args.objective, pt_args.loss_decay).to(training_args.device)
-    compile_if_asked(model, training_args)  # --torch_compile: every variant's steps run the base model compiled
+    compile_if_asked(model, training_args)  # --torch_compile: every variant's steps run the layers compiled
     collator = PromptTokenCollator(num_prompt_tokens=pt_args.num_prompt_tokens)
     return model, dataset, collator, training_args
 

@@ -265,7 +265,7 @@ def new_prompt_tokens(pt_args: PromptTokenArguments, model_args: ModelArguments,
 
 
 def compile_if_asked(model: PromptTokenModel, args) -> bool:
-    """``--torch_compile``: compile the frozen base model's forward (``PromptTokenModel.compile_base``, with
+    """``--torch_compile``: compile the frozen base model's decoder layers (``PromptTokenModel.compile_base``, with
     ``--torch_compile_backend`` / ``--torch_compile_mode``) instead of letting the Trainer compile the whole module
     (its host-side input building included), and switch the Trainer's own compile off. True if compiled."""
     if not args.torch_compile:

