@@ -77,9 +77,8 @@ class PromptTokenModel(nn.Module):
         every batch width (a batch of one row, as torch specialises a size of one, compiles once more). Compiling
         the whole model instead traces every layer one after another: 82 s against 3 s for the default model on
         a 2-core CPU, 4-4.5 minutes at each new batch size on an H200's host (``results/train/profile/``). The
-        deep prompt tokens' hooks, the
-        embeddings, the final norm and the head run eagerly around the compiled layers; the prompt-token inputs
-        are built on the host each step."""
+        deep prompt tokens' hooks, the embeddings, the final norm and the head run eagerly around the compiled
+        layers; the prompt-token inputs are built on the host each step."""
         if self.compiled:
             return
         for layer in decoder_layers(self.base_model):
