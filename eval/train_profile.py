@@ -24,6 +24,8 @@ import time
 
 import torch
 
+from ppd.attention import packed_width
+
 from .records import environment, write_json
 from .step_profile import kernels_per_step
 
@@ -106,7 +108,13 @@ def profile_batch_size(model, dataset, collator, optimizer, device, size: int, a
     host_rows = kernels_per_step(events, True, args.steps)
     cuts = sum(int(b["cut_lengths"].numel()) for b in timed) / args.steps
     tokens = sum(b["input_ids"].numel() for b in timed) / args.steps
-    return {"batch_size": size, "cuts_per_step": cuts, "padded_tokens_per_step": tokens, "data_ms_per_batch": data_ms,
+    config = model.prompt_tokens.config
+    slots = sum(len(b["lengths"]) * packed_width(b["lengths"].tolist(),
+                                                 torch.bincount(b["cut_rows"], minlength=len(b["lengths"])).tolist(),
+                                                 config.num_prompt_tokens * config.num_ensemble, model.width_multiple)
+                for b in timed) / args.steps
+    return {"batch_size": size, "cuts_per_step": cuts, "padded_tokens_per_step": tokens,
+            "forward_slots_per_step": slots, "data_ms_per_batch": data_ms,
             "warmup_s": warmup_s, "wall_ms_per_step": 1e3 * wall, "cuts_per_s": cuts / wall,
             "device_ms_per_step": sum(r[2] for r in rows) / 1e3, "kernels_per_step": sum(r[1] for r in rows),
             "top": [{"kernel": n, "calls_per_step": c, "us_per_step": t} for n, c, t in rows[: args.top]],
@@ -135,11 +143,14 @@ def main(argv: list[str] | None = None) -> int:
         results += [{"variant": variant, **profile_batch_size(model, dataset, collator, optimizer,
                                                                training_args.device, size, args)}
                     for size in args.batch_sizes]
-    print("| variant | batch | cuts/step | padded tokens/step | data ms | wall ms/step | device ms/step | kernels/step "
-          "| cuts/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    # input tokens: the collated batch's ids, padded to its longest conversation; forward slots: rows times the
+    # width the model runs, prompt rows and the padding to the variant's multiple included
+    print("| variant | batch | cuts/step | input tokens/step | forward slots/step | data ms | wall ms/step "
+          "| device ms/step | kernels/step | cuts/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['variant']} | {r['batch_size']} | {r['cuts_per_step']:.0f} | {r['padded_tokens_per_step']:.0f} | "
+              f"{r['forward_slots_per_step']:.0f} | "
               f"{r['data_ms_per_batch']:.1f} | {r['wall_ms_per_step']:.1f} | {r['device_ms_per_step']:.1f} | "
               f"{r['kernels_per_step']:.0f} | {r['cuts_per_s']:.1f} |")
     for r in results:

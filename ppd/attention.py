@@ -85,6 +85,13 @@ def prefill_layout(
     return packed_layout(lengths, [[n] for n in lengths], num_prompt_tokens, num_ensemble, attention_type, device)
 
 
+def packed_width(lengths: list[int], cut_counts: list[int], rows_per_cut: int, width_multiple: int = 1) -> int:
+    """Slots of a packed forward (:func:`packed_layout`): the widest row's real tokens and its blocks of prompt
+    rows, ``rows_per_cut`` a cut, rounded up to a multiple of ``width_multiple``."""
+    widest = max(n + k * rows_per_cut for n, k in zip(lengths, cut_counts))
+    return -(-widest // width_multiple) * width_multiple
+
+
 def packed_layout(
     lengths: list[int], cuts: list[list[int]], num_prompt_tokens: int, num_ensemble: int,
     attention_type: AttentionType | str, device: torch.device | str = "cpu", width_multiple: int = 1,
@@ -111,7 +118,7 @@ def packed_layout(
     lengths_t = torch.tensor(lengths, device=device)
     cut_t = torch.tensor([row + [0] * (most - len(row)) for row in cuts], device=device).reshape(len(cuts), most)
     count_t = torch.tensor([len(row) for row in cuts], device=device)
-    width = -(-max(n + len(row) * n_rows for n, row in zip(lengths, cuts)) // width_multiple) * width_multiple
+    width = packed_width(lengths, [len(row) for row in cuts], n_rows, width_multiple)
     slot = torch.arange(width, device=device)
     length = lengths_t[:, None]  # [B, 1]
     is_real = slot[None, :] < length  # [B, Q]

@@ -406,6 +406,12 @@ def test_the_training_step_profile_reports_every_variant_and_batch_size(tiny_set
     for r in results:
         assert r["cuts_per_step"] == r["batch_size"] and r["wall_ms_per_step"] > 0 and r["kernels_per_step"] > 0
         assert any("mm" in k["kernel"] for k in r["top"])  # on a CPU: the operators' own time
+    # the forward's slots: each row's 3 prompt rows after the longest conversation, then padding to the multiple
+    unpadded, padded = results[:2], results[2:]
+    for one, sixteen in zip(unpadded, padded):
+        assert one["forward_slots_per_step"] == one["padded_tokens_per_step"] + 3 * one["batch_size"]
+        most = one["forward_slots_per_step"] + 16 * one["batch_size"]
+        assert one["forward_slots_per_step"] < sixteen["forward_slots_per_step"] < most
     with pytest.raises(SystemExit, match="expected any|plan_free:MULTIPLE"):
         train_profile.main(["--dataset_path", str(tiny_setup / "data"), "--variants", "cudnn:0"])
     with pytest.raises(SystemExit, match="40 conversations in the dataset, 84 needed"):
