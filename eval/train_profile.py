@@ -9,7 +9,9 @@ For each batch size (conversations per step): the batches are made first (their 
 apart, ``data ms``), then ``--warmup`` untimed steps, then ``--steps`` timed ones, forward, backward and
 the optimizer (AdamW) as one step of ``train.train`` runs them, without the Trainer around them, and the
 same steps again under ``torch.profiler``. Reports per step the wall time, the kernels' summed device time
-(the rest is the device idle: host work between kernels) and the kernels that take the most. How the wall
+(the rest is the device idle: host work between kernels), the kernels that take the most and, on a GPU, how
+many operations of one step made the host wait for the device (``syncs_per_step``, torch's sync debug mode:
+each drains the device's queue, so the host cannot run ahead). How the wall
 time grows with the batch shows the step's fixed cost: what two processes of half the batch each still pay
 in full. ``--torch_compile`` among the training flags runs the base model's layers compiled, as ``train.train``
 does with it (the warm-up steps of the first batch size compile; ``warmup_s`` says how long they took). Writes JSON
@@ -21,10 +23,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import warnings
 
 import torch
 
 from ppd.attention import packed_width
+from ppd.uploads import upload
 
 from .records import environment, write_json
 from .step_profile import kernels_per_step
@@ -74,7 +78,7 @@ def profile_batch_size(model, dataset, collator, optimizer, device, size: int, a
     data_ms = 1e3 * (time.perf_counter() - started) / needed
 
     def step(batch: dict) -> None:
-        inputs = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        inputs = {k: upload(v, device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         model(**inputs)["loss"].backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -94,6 +98,18 @@ def profile_batch_size(model, dataset, collator, optimizer, device, size: int, a
         step(batch)
     synchronize()
     wall = (time.perf_counter() - started) / args.steps
+
+    syncs = None
+    if device.type == "cuda":  # the operations in one step that make the host wait for the device
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                step(batches[args.warmup])
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = sum("synchroniz" in str(w.message) for w in caught)
+        synchronize()
 
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
@@ -115,7 +131,7 @@ def profile_batch_size(model, dataset, collator, optimizer, device, size: int, a
                 for b in timed) / args.steps
     return {"batch_size": size, "cuts_per_step": cuts, "padded_tokens_per_step": tokens,
             "forward_slots_per_step": slots, "data_ms_per_batch": data_ms,
-            "warmup_s": warmup_s, "wall_ms_per_step": 1e3 * wall, "cuts_per_s": cuts / wall,
+            "warmup_s": warmup_s, "wall_ms_per_step": 1e3 * wall, "cuts_per_s": cuts / wall, "syncs_per_step": syncs,
             "device_ms_per_step": sum(r[2] for r in rows) / 1e3, "kernels_per_step": sum(r[1] for r in rows),
             "top": [{"kernel": n, "calls_per_step": c, "us_per_step": t} for n, c, t in rows[: args.top]],
             "top_host": [{"operator": n, "calls_per_step": c, "us_per_step": t} for n, c, t in host_rows[: args.top]]}
@@ -146,13 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     # input tokens: the collated batch's ids, padded to its longest conversation; forward slots: rows times the
     # width the model runs, prompt rows and the padding to the variant's multiple included
     print("| variant | batch | cuts/step | input tokens/step | forward slots/step | data ms | wall ms/step "
-          "| device ms/step | kernels/step | cuts/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| device ms/step | kernels/step | syncs/step | cuts/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['variant']} | {r['batch_size']} | {r['cuts_per_step']:.0f} | {r['padded_tokens_per_step']:.0f} | "
               f"{r['forward_slots_per_step']:.0f} | "
               f"{r['data_ms_per_batch']:.1f} | {r['wall_ms_per_step']:.1f} | {r['device_ms_per_step']:.1f} | "
-              f"{r['kernels_per_step']:.0f} | {r['cuts_per_s']:.1f} |")
+              f"{r['kernels_per_step']:.0f} | {'-' if r['syncs_per_step'] is None else r['syncs_per_step']} | "
+              f"{r['cuts_per_s']:.1f} |")
     for r in results:
         print(f"\n{r['variant']}, batch {r['batch_size']}: top kernels per step\n| kernel | calls | us |\n|---|---|---|")
         for k in r["top"]:

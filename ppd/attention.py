@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import AttentionType
+from .uploads import upload
 
 FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' names for a layer's attention
 
@@ -115,9 +116,10 @@ def packed_layout(
             raise ValueError(f"cuts {row} fall outside a sequence of {length} tokens (each must be in 1..{length})")
     n_rows = num_prompt_tokens * num_ensemble
     most = max(len(row) for row in cuts)
-    lengths_t = torch.tensor(lengths, device=device)
-    cut_t = torch.tensor([row + [0] * (most - len(row)) for row in cuts], device=device).reshape(len(cuts), most)
-    count_t = torch.tensor([len(row) for row in cuts], device=device)
+    # (uploaded without waiting for the device: a training step builds this while the last one runs)
+    lengths_t = upload(lengths, device)
+    cut_t = upload([row + [0] * (most - len(row)) for row in cuts], device, torch.long).reshape(len(cuts), most)
+    count_t = upload([len(row) for row in cuts], device)
     width = packed_width(lengths, [len(row) for row in cuts], n_rows, width_multiple)
     slot = torch.arange(width, device=device)
     length = lengths_t[:, None]  # [B, 1]
@@ -130,7 +132,7 @@ def packed_layout(
     causal = slot[None, :, None] >= slot[None, None, :]  # [1, Q, Q] query >= key
     allowed = is_real[:, :, None] & is_real[:, None, :] & causal
     if n_rows:
-        pair_mask = prompt_block_mask(num_prompt_tokens, num_ensemble, attention_type).to(device)
+        pair_mask = upload(prompt_block_mask(num_prompt_tokens, num_ensemble, attention_type), device)
         r = rel.clamp(min=0) % n_rows
         pair = pair_mask[r[:, :, None], r[:, None, :]] & (block[:, :, None] == block[:, None, :])  # [B, Q, Q]
         sees_prefix = is_real[:, None, :] & (slot[None, None, :] < cut[:, :, None])

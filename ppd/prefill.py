@@ -16,6 +16,7 @@ import torch
 from .attention import LayerAttention, packed_layout, to_additive, within_window
 from .config import AttentionType
 from .deep_prompts import prompt_row_index
+from .uploads import upload
 
 
 @dataclass
@@ -58,7 +59,7 @@ def build_prefill(model, batch: list[list[int]], prompt_table: torch.Tensor | No
     ids = torch.zeros(len(batch), width, dtype=torch.long)
     for b, x in enumerate(batch):
         ids[b, : len(x)] = torch.as_tensor(x, dtype=torch.long)
-    embeds = embedding(ids.to(device))
+    embeds = embedding(upload(ids, device))
     n_rows = num_prompt_tokens * num_ensemble if prompt_table is not None else 0
     # The logits read per cut: its last input token and its block of prompt rows (known on the host, so no
     # device round trip). Only those slots' logits are computed.
@@ -72,19 +73,19 @@ def build_prefill(model, batch: list[list[int]], prompt_table: torch.Tensor | No
         rel = torch.arange(width)[None, :] - torch.tensor(lengths)[:, None]  # [B, Q]
         is_prompt = (rel >= 0) & (rel < torch.tensor([len(row) * n_rows for row in cuts])[:, None])
         table = prompt_table.to(device=device, dtype=embeds.dtype)
-        prompt_rows = prompt_row_index(is_prompt, rel.clamp(min=0) % n_rows).to(device)
+        prompt_rows = upload(prompt_row_index(is_prompt, rel.clamp(min=0) % n_rows), device)
         # Row 0 of the lookup is every real token's: no gradient to add up there (see deep_prompts' hooks).
         looked_up = torch.nn.functional.embedding(prompt_rows, torch.cat([table.new_zeros(1, table.shape[1]), table]),
                                                   padding_idx=0)
-        embeds = torch.where(is_prompt.to(device)[..., None], looked_up, embeds)
+        embeds = torch.where(upload(is_prompt, device)[..., None], looked_up, embeds)
     keep = sorted({slot for _, row in wanted for slot in row})
     index = {slot: i for i, slot in enumerate(keep)}
-    where = torch.tensor([[index[slot] for slot in row] for _, row in wanted], device=device)
+    where = upload([[index[slot] for slot in row] for _, row in wanted], device)
     layers = LayerAttention.of(model.config)
     masks = {kind: to_additive((allowed if window is None else allowed & within_window(positions, positions, window)
                                 )[:, None], embeds.dtype) for kind, window in layers.kinds.items()}
-    return PrefillInputs(embeds, layers.pack(masks), positions, torch.tensor(lengths, device=device),
-                         torch.tensor(keep, device=device), where, torch.tensor(cut_rows, device=device), prompt_rows)
+    return PrefillInputs(embeds, layers.pack(masks), positions, upload(lengths, device), upload(keep, device), where,
+                         upload(cut_rows, device), prompt_rows)
 
 
 def average_copies(prompt_logits: torch.Tensor, num_prompt_tokens: int, num_ensemble: int) -> torch.Tensor:

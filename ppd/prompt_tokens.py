@@ -177,12 +177,14 @@ class PromptTokens(nn.Module):
         return tokens
 
 
-def count_non_finite(tokens: "PromptTokens | torch.Tensor") -> int:
+def count_non_finite(tokens: "PromptTokens | torch.Tensor", read: bool = True) -> "int | torch.Tensor":
     """How many prompt-token values (of a tensor, or of all of a :class:`PromptTokens`' tensors) are NaN or
     inf. A single one reaches the real rows of the same forward and turns lossless decoding into garbage, so
-    such prompt tokens are refused where they are read, written or trained."""
+    such prompt tokens are refused where they are read, written or trained. ``read=False``: the count as a tensor
+    where the values are, not read back (training reads it a step later)."""
     tensors = tokens.tensors().values() if isinstance(tokens, PromptTokens) else [tokens]
-    return sum(int((~torch.isfinite(t.detach())).sum()) for t in tensors)
+    count = sum((~torch.isfinite(t.detach())).sum() for t in tensors)
+    return int(count) if read else count
 
 
 def _check_finite(embeddings: torch.Tensor, where: str) -> None:

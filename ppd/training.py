@@ -101,21 +101,18 @@ class PromptTokenModel(nn.Module):
                 module.attention_dropout = 0.0
 
     def prompt_logits(self, input_ids: torch.Tensor, lengths: torch.Tensor, cut_lengths: torch.Tensor | None = None,
-                      cut_rows: torch.Tensor | None = None) -> torch.Tensor:
+                      cut_rows: torch.Tensor | None = None, host: "HostCuts | None" = None) -> torch.Tensor:
         """Logits [C, N, vocab] (float32, copies averaged) of the prompt tokens of every cut.
 
         Without ``cut_lengths`` each row is one cut at its end (``C = B``); with them, cut ``i`` reads the first
         ``cut_lengths[i]`` tokens of batch row ``cut_rows[i]`` (the cuts of a row in increasing row order).
+        ``host``, the same batch as host lists (:class:`PromptTokenCollator` adds it), spares reading the tensors
+        back from the device, which would wait for every kernel queued before.
         """
         config = self.prompt_tokens.config
-        batch = [row[:n].tolist() for row, n in zip(input_ids, lengths.tolist())]
-        cuts = None
-        if cut_lengths is not None:
-            cuts = [[] for _ in batch]
-            for row, cut in zip(cut_rows.tolist(), cut_lengths.tolist()):
-                cuts[row].append(cut)
-        inputs = build_prefill(self.base_model, batch, self.prompt_tokens(), config.num_prompt_tokens,
-                               config.num_ensemble, config.attention_type, cuts, self.width_multiple)
+        host = host or HostCuts.read_back(input_ids, lengths, cut_lengths, cut_rows)
+        inputs = build_prefill(self.base_model, host.sequences, self.prompt_tokens(), config.num_prompt_tokens,
+                               config.num_ensemble, config.attention_type, host.cuts, self.width_multiple)
         if self.layer_offsets is not None:
             # (cast to the forward's dtype once, not in every layer's hook)
             self.layer_offsets.set(inputs.prompt_rows, deep_weights(self.prompt_tokens, inputs.embeds.dtype))
@@ -130,7 +127,7 @@ class PromptTokenModel(nn.Module):
         """:meth:`prompt_logits` of a batch from :class:`PromptTokenCollator`."""
         device = self.prompt_tokens.embeddings.device
         return self.prompt_logits(batch["input_ids"].to(device), batch["lengths"], batch.get("cut_lengths"),
-                                  batch.get("cut_rows"))
+                                  batch.get("cut_rows"), batch.get("host"))
 
     def loss(self, logits: torch.Tensor, labels=None, teacher_topk_ids=None, teacher_topk_logprobs=None,
              per_example: bool = False):
@@ -148,15 +145,42 @@ class PromptTokenModel(nn.Module):
     accepts_loss_kwargs = True
 
     def forward(self, input_ids, lengths, cut_lengths=None, cut_rows=None, labels=None, teacher_token_ids=None,
-                teacher_topk_ids=None, teacher_topk_logprobs=None, num_items_in_batch=None) -> dict:
+                teacher_topk_ids=None, teacher_topk_logprobs=None, num_items_in_batch=None, host=None) -> dict:
         """``loss``: the mean of the cuts' losses, or, with ``num_items_in_batch`` (the cuts of the whole optimizer
         step: every micro-batch of it, and under the Trainer's default ``average_tokens_across_devices`` every
         process), their sum divided by that count, so that gradient accumulation and several processes weigh
         every cut alike however many cuts each batch holds."""
-        logits = self.prompt_logits(input_ids, lengths, cut_lengths, cut_rows)
+        logits = self.prompt_logits(input_ids, lengths, cut_lengths, cut_rows, host)
         losses = self.loss(logits, labels, teacher_topk_ids, teacher_topk_logprobs, per_example=True)
         loss = losses.mean() if num_items_in_batch is None else losses.sum() / num_items_in_batch
         return {"loss": loss, "logits": logits}
+
+
+class HostCuts:
+    """A batch's sequences and the cut points of each, as host lists: what a forward's layout is built from.
+
+    The collator adds it to every batch beside the tensors (which the Trainer moves to the device; this it passes
+    through as it is), so a training step never reads its batch back from the device. Each read would wait for
+    every kernel queued before it, and the host could not prepare step k + 1 while the device runs step k.
+    (A plain class: DDP and accelerate copy dataclasses and tuples field by field.)
+    """
+
+    __slots__ = ("sequences", "cuts")
+
+    def __init__(self, sequences: list[list[int]], cuts: list[list[int]]):
+        self.sequences, self.cuts = sequences, cuts
+
+    @classmethod
+    def read_back(cls, input_ids: torch.Tensor, lengths: torch.Tensor, cut_lengths: torch.Tensor | None = None,
+                  cut_rows: torch.Tensor | None = None) -> "HostCuts":
+        """The same from a batch's tensors (waits for the device where they are on one)."""
+        sequences = [row[:n].tolist() for row, n in zip(input_ids, lengths.tolist())]
+        if cut_lengths is None:
+            return cls(sequences, [[len(x)] for x in sequences])
+        cuts = [[] for _ in sequences]
+        for row, cut in zip(cut_rows.tolist(), cut_lengths.tolist()):
+            cuts[row].append(cut)
+        return cls(sequences, cuts)
 
 
 TARGET_COLUMNS = ("labels", "teacher_token_ids", "teacher_topk_ids", "teacher_topk_logprobs")
@@ -167,7 +191,8 @@ class PromptTokenCollator:
     """Pads ``input_ids`` (with their lengths) and stacks the fixed-size target columns of every cut.
 
     A feature is one cut (a dataset row) or, from :class:`PackedCuts`, one sequence with its ``cut_lengths``
-    and a list of targets per column; either way the batch has ``cut_lengths`` and ``cut_rows`` [C] and targets [C, ...].
+    and a list of targets per column; either way the batch has ``cut_lengths`` and ``cut_rows`` [C] and targets
+    [C, ...], and ``host``, the sequences and cuts again as host lists (:class:`HostCuts`).
     """
 
     num_prompt_tokens: int | None = None  # targets kept: the first N (a dataset may carry more)
@@ -177,13 +202,16 @@ class PromptTokenCollator:
         lengths = [len(f["input_ids"]) for f in features]
         input_ids = torch.zeros(len(features), max(lengths), dtype=torch.long)
         cut_lengths, cut_rows = [], []
+        host = HostCuts([], [])
         for row, feature in enumerate(features):
             input_ids[row, : lengths[row]] = torch.as_tensor(feature["input_ids"], dtype=torch.long)
-            cuts = feature.get("cut_lengths", [lengths[row]])
+            cuts = list(feature.get("cut_lengths", [lengths[row]]))
             cut_lengths.extend(cuts)
             cut_rows.extend([row] * len(cuts))
+            host.sequences.append(list(feature["input_ids"]))
+            host.cuts.append(cuts)
         batch = {"input_ids": input_ids, "lengths": torch.tensor(lengths), "cut_lengths": torch.tensor(cut_lengths),
-                 "cut_rows": torch.tensor(cut_rows)}
+                 "cut_rows": torch.tensor(cut_rows), "host": host}
         for column in self.columns:
             if column in features[0]:
                 dtype = torch.float32 if column == "teacher_topk_logprobs" else torch.long

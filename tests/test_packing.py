@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from ppd.attention import packed_layout, prefill_layout
-from ppd.training import Objective, PackedCuts, PromptTokenCollator, PromptTokenModel, column_values, heldout_split
+from ppd.training import (HostCuts, Objective, PackedCuts, PromptTokenCollator, PromptTokenModel, column_values,
+                          heldout_split)
 
 from .conftest import random_prompt_tokens, tiny_model
 
@@ -64,6 +65,9 @@ def test_packed_cuts_give_the_losses_and_gradients_of_single_cuts(arch, window, 
             i += 1
     collate = PromptTokenCollator()
     packed_losses, packed_grad = _loss_and_grad(trainer, collate(features))
+    # Without the collator's host lists the model reads the batch back from its tensors: the same cuts.
+    read_back = {k: v for k, v in collate(features).items() if k != "host"}
+    read_back_losses, read_back_grad = _loss_and_grad(trainer, read_back)
     trainer.width_multiple = 16  # padded to a multiple of 16 slots (as on a GPU): nothing changes
     padded_losses, padded_grad = _loss_and_grad(trainer, collate(features))
     trainer.width_multiple = 1
@@ -76,6 +80,8 @@ def test_packed_cuts_give_the_losses_and_gradients_of_single_cuts(arch, window, 
     torch.testing.assert_close(packed_losses, single_losses, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(batched_losses, single_losses, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(packed_grad, single_grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(read_back_losses, packed_losses, rtol=0, atol=0)
+    torch.testing.assert_close(read_back_grad, packed_grad, rtol=0, atol=0)
     torch.testing.assert_close(padded_losses, packed_losses, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(padded_grad, packed_grad, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(batched_grad, single_grad, rtol=1e-4, atol=1e-6)
@@ -117,6 +123,13 @@ def test_packed_dataset_groups_cuts_by_conversation():
     batch = PromptTokenCollator()([packed[0], packed[2]])
     assert batch["cut_lengths"].tolist() == [3, 5, 9, 2, 6] and batch["cut_rows"].tolist() == [0, 0, 0, 1, 1]
     assert batch["labels"].shape == (5, 4)
+    # the host's copy of the batch (a step builds its layout from it, never reading the tensors back)
+    host, read_back = batch["host"], HostCuts.read_back(batch["input_ids"], batch["lengths"], batch["cut_lengths"],
+                                                         batch["cut_rows"])
+    assert host.sequences == read_back.sequences == [list(range(100, 109)), list(range(100, 106))]
+    assert host.cuts == read_back.cuts == [[3, 5, 9], [2, 6]]
+    single = PromptTokenCollator()([dataset[0], dataset[3]])["host"]
+    assert single.sequences == [[100, 101, 102], [100, 101, 102, 103]] and single.cuts == [[3], [4]]
     broken = dataset.map(lambda row, i: {"input_ids": row["input_ids"][:-1] + [7] if i == 1 else row["input_ids"]},
                          with_indices=True)
     with pytest.raises(ValueError, match="not prefixes of one sequence"):

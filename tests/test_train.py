@@ -310,6 +310,7 @@ def nothing_loads(monkeypatch):
     ("--loss_decay", "nan", "--loss_decay must be in (0, 1], got nan"),
     ("--num_prompt_tokens", "0", "--num_prompt_tokens must be at least 1, got 0"),
     ("--eval_size", "inf", "--eval_size must be a finite number >= 0, got inf"),
+    ("--width_multiple", "0", "--width_multiple must be at least 1, got 0"),
 ])
 def test_unusable_numbers_are_refused_before_anything_loads(flag, value, message, tmp_path, capsys, nothing_loads):
     with pytest.raises(SystemExit) as exit_info:

@@ -89,13 +89,16 @@ class DataArguments:
         "help": "cuts of one conversation trained in one forward (each with its own block of prompt tokens "
                 "seeing only its own prefix); 0 = all of them, 1 = one cut per forward. A batch counts "
                 "conversations: --per_device_train_batch_size 4 with 8 cuts each trains 32 examples per forward"})
+    width_multiple: int | None = field(default=None, metadata={
+        "help": "pad each batch's width (its longest row's tokens and prompt rows) to a multiple of this, so that "
+                "kernels planned or captured per shape meet fewer shapes (default: 128 on a GPU, 1 on a CPU)"})
 
     def __post_init__(self):
         if not self.dataset_path:
             raise ValueError("--dataset_path is required (make one with `python -m data_gen.generate`)")
         _require(math.isfinite(self.eval_size) and self.eval_size >= 0, "eval_size", self.eval_size,
                  "a finite number >= 0")
-        for name in ("max_train_samples", "model_max_length"):
+        for name in ("max_train_samples", "model_max_length", "width_multiple"):
             value = getattr(self, name)
             _require(value is None or value >= 1, name, value, "at least 1")
         _require(self.cuts_per_forward >= 0, "cuts_per_forward", self.cuts_per_forward, "at least 0")
@@ -275,6 +278,17 @@ def compile_if_asked(model: PromptTokenModel, args) -> bool:
     return True
 
 
+def keep_host_ahead(args) -> None:
+    """Settings under which a step never waits for the device, so the host prepares and queues step k + 1 while
+    the device runs step k (a training step is otherwise bound by the host: results/train/profile/).
+
+    The Trainer's nan/inf logging filter reads every micro-batch's loss at once: off, as the trainer's own checks
+    stop the run at a non-finite loss (a step later); batches go to the device from pinned memory without waiting."""
+    args.logging_nan_inf_filter = False
+    if args.dataloader_pin_memory:
+        args.accelerator_config.non_blocking = True
+
+
 def main(argv: list[str] | None = None) -> int:
     from transformers.trainer_utils import get_last_checkpoint
 
@@ -310,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         # Every prompt-token value takes part in every forward: no per-step search of the autograd graph for
         # unused ones (the Trainer's default for a model that is not a PreTrainedModel).
         training_args.ddp_find_unused_parameters = False
+    keep_host_ahead(training_args)
     base, tokenizer, model_info = load_base(model_args, training_args.device, training_args.gradient_checkpointing)
     if pt_args.init_adapter:
         try:
@@ -321,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         prompt_tokens = new_prompt_tokens(pt_args, model_args, base, tokenizer, model_info)
     model = PromptTokenModel(base, prompt_tokens, pt_args.objective, pt_args.loss_decay)
+    model.width_multiple = data_args.width_multiple or model.width_multiple
     compiled = compile_if_asked(model, training_args)
     trainer = PromptTokenTrainer(
         model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,

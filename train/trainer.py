@@ -9,7 +9,8 @@ Each checkpoint folder also holds the adapter in the decoder's format, so any ch
 with directly.
 
 Training stops with ``NonFiniteError`` at the first non-finite loss or prompt-token value, and every save
-checks the prompt tokens first: an adapter or checkpoint never holds NaN or inf. Each checkpoint also keeps
+checks the prompt tokens first: an adapter or checkpoint never holds NaN or inf. A step's values are read one
+step late (:class:`LaggedChecks`): reading them at once would make the host wait for the device at every step. Each checkpoint also keeps
 the run's record (``ppd_training_record.json``: the evaluation before training and the summed loss of the
 steps so far), so a resumed run reports what an uninterrupted one would.
 """
@@ -30,6 +31,7 @@ from transformers import Trainer, TrainerCallback
 from ppd.prompt_tokens import PromptTokens, count_non_finite
 from ppd.files import atomic_write_json
 from ppd.training import HeldOutTally, tally_held_out
+from ppd.uploads import upload
 
 logger = logging.getLogger("train")
 
@@ -50,15 +52,49 @@ def check_finite(prompt_tokens: PromptTokens, when: str) -> None:
                              "nothing non-finite was saved (lower --learning_rate; earlier checkpoints are intact)")
 
 
+class LaggedChecks:
+    """The finiteness checks of a training run, each read from the device one step after it was queued.
+
+    ``queue`` takes a device scalar (a micro-batch's loss, or the count of non-finite prompt-token values after an
+    optimizer step) without reading it; ``settle`` reads every queued value but the latest ``keep``, which the
+    device computed a step ago: the host waits for little and the device never runs dry. So training stops one
+    micro-batch after the step that went wrong (before anything is saved: every save settles all first).
+    """
+
+    def __init__(self):
+        self.pending: list[tuple[str, int, torch.Tensor]] = []  # (kind, optimizer step, value on the device)
+        self.loss_sum = 0.0  # the settled losses, summed
+
+    def queue(self, kind: str, step: int, value: torch.Tensor) -> None:
+        self.pending.append((kind, step, value.detach()))
+
+    def settle(self, prompt_tokens: PromptTokens, keep: int = 0) -> None:
+        """Read all but the latest ``keep`` values; raise ``NonFiniteError`` at the first that is not finite."""
+        ready, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep:]
+        for kind, step, value in ready:
+            number = value.item()
+            if kind == "loss":
+                if not math.isfinite(number):
+                    raise NonFiniteError(f"step {step}: the training loss is {number}; stopped, nothing non-finite "
+                                         "was saved (lower --learning_rate, or check the dataset for NaN/inf targets)")
+                self.loss_sum += number
+            elif number:
+                total = sum(t.numel() for t in prompt_tokens.tensors().values())
+                raise NonFiniteError(f"step {step}: {int(number)} of {total} prompt-token values are not finite "
+                                     "(NaN or inf); nothing non-finite was saved (lower --learning_rate; earlier "
+                                     "checkpoints are intact)")
+
+
 class PromptTokenTrainer(Trainer):
     def __init__(self, *args, map_learning_rate: float | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.map_learning_rate = map_learning_rate  # the low-rank maps' own learning rate (None: the others')
         self.prompt_tokens: PromptTokens = self.model.prompt_tokens
         self.initial_eval: dict = {}  # the held-out evaluation before the first step
-        # This process's training loss summed over every step of the run, the steps before a resumed checkpoint
-        # included (None: resumed from a checkpoint without a record, so only Trainer's own mean is known).
+        # This process's training loss summed over the steps before a resumed checkpoint (None: resumed from a
+        # checkpoint without a record, so only Trainer's own mean is known); run_loss() adds this call's steps.
         self.loss_sum: float | None = 0.0
+        self.checks = LaggedChecks()  # this call's losses and token checks, read a step late
         self.cuts_trained = 0  # examples (cuts) this process trained on in this call of train()
         self.last_rank_accuracy: list[list[float]] | None = None  # [N][K] of the latest evaluate()
         self.add_callback(_GuardAndRecord(self))
@@ -88,22 +124,27 @@ class PromptTokenTrainer(Trainer):
         batch_samples = list(itertools.islice(epoch_iterator, num_batches))  # (fewer at the end of an epoch)
         local = sum(int(b["cut_lengths"].numel()) for b in batch_samples)
         self.cuts_trained += local
-        cuts = torch.tensor(local, device=device)
+        cuts = upload(local, device)
         if self.args.world_size > 1 and self.args.average_tokens_across_devices:
             cuts = self.accelerator.reduce(cuts, reduction="sum")
         return batch_samples, cuts
 
     def training_step(self, model, inputs, *args, **kwargs):
         loss = super().training_step(model, inputs, *args, **kwargs)
-        # One read-back per micro-batch, as Trainer's own nan/inf logging filter does.
-        value = loss.item()
-        if not math.isfinite(value):
-            raise NonFiniteError(f"step {self.state.global_step + 1}: the training loss is {value}; stopped before "
-                                 "the optimizer step, nothing non-finite was saved (lower --learning_rate, or "
-                                 "check the dataset for NaN/inf targets)")
-        if self.loss_sum is not None:
-            self.loss_sum += value
+        # This micro-batch's forward and backward are queued: read what came before it, not its own loss.
+        self.checks.queue("loss", self.state.global_step + 1, loss)
+        self.checks.settle(self.prompt_tokens, keep=1)
         return loss
+
+    def settle_checks(self) -> None:
+        """Read every queued check (before a save, an evaluation or the run's summary)."""
+        self.checks.settle(self.prompt_tokens)
+
+    def run_loss(self) -> float | None:
+        """This process's training loss summed over the steps so far, those before a resumed checkpoint included
+        (None: resumed from a checkpoint without a record)."""
+        self.settle_checks()
+        return None if self.loss_sum is None else self.loss_sum + self.checks.loss_sum
 
     def total_cuts_trained(self) -> int:
         """Examples (cuts) trained on by every process together in this call of train() (all of them call this)."""
@@ -112,7 +153,7 @@ class PromptTokenTrainer(Trainer):
 
     def run_loss_sum(self) -> float:
         """The summed training loss of the run so far, averaged over processes (all of them call this)."""
-        total = torch.tensor(self.loss_sum, dtype=torch.float64, device=self.args.device)
+        total = torch.tensor(self.run_loss(), dtype=torch.float64, device=self.args.device)
         return float(self.accelerator.reduce(total, reduction="mean"))
 
     def log(self, logs: dict, *args, **kwargs) -> None:
@@ -122,6 +163,7 @@ class PromptTokenTrainer(Trainer):
         super().log(logs, *args, **kwargs)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        self.settle_checks()  # a step that went wrong is reported as such, before the save's own check
         check_finite(self.prompt_tokens, f"saving {output_dir or self.args.output_dir}")
         super().save_model(output_dir, _internal_call)
 
@@ -174,6 +216,7 @@ class PromptTokenTrainer(Trainer):
         if isinstance(dataset, dict):  # several named evaluation sets, as Trainer takes them
             return {key: value for name, part in dataset.items()
                     for key, value in self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}").items()}
+        self.settle_checks()
         started = time.perf_counter()
         tally = self.held_out(dataset)
         self.last_rank_accuracy = tally.rank_accuracy().tolist()
@@ -193,11 +236,18 @@ class _GuardAndRecord(TrainerCallback):
         self.trainer = trainer
 
     def on_step_end(self, args, state, control, **kwargs):
-        check_finite(self.trainer.prompt_tokens, f"step {state.global_step}")  # before any save of this step
+        # This step's optimizer update is queued: count its non-finite values on the device, read a step later
+        # (every save reads it first).
+        self.trainer.checks.queue("tokens", state.global_step, count_non_finite(self.trainer.prompt_tokens, read=False))
+        return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.trainer.settle_checks()
         return control
 
     def on_save(self, args, state, control, **kwargs):
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        self.trainer.settle_checks()
         check_finite(self.trainer.prompt_tokens, f"saving {folder}")
         loss_sum = self.trainer.run_loss_sum() if self.trainer.loss_sum is not None else None  # every process
         if state.is_world_process_zero:
