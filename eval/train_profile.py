@@ -28,6 +28,7 @@ import warnings
 import torch
 
 from ppd.attention import packed_width
+from ppd.captured_training import CapturedTrainingStep
 from ppd.uploads import upload
 
 from .records import environment, write_json
@@ -42,8 +43,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--variants", nargs="+", default=["any:1"], metavar="ATTENTION:MULTIPLE",
                         help="how the steps run, each timed at every batch size: ATTENTION any (torch picks the "
-                             "attention kernel) or plan_free (no cuDNN), MULTIPLE the width each batch is padded "
-                             "to a multiple of")
+                             "attention kernel), plan_free (no cuDNN) or captured (forward and backward replayed "
+                             "from CUDA graphs, ppd.captured_training; its warm-up runs every batch once, capturing "
+                             "each width), MULTIPLE the width each batch is padded to a multiple of")
     parser.add_argument("--top", type=int, default=20, help="kernels listed per batch size")
     parser.add_argument("--output", default=None)
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then flags for train.train")
@@ -69,8 +71,9 @@ def load(args: argparse.Namespace):
     return model, dataset, collator, training_args
 
 
-def profile_batch_size(model, dataset, collator, optimizer, device, size: int, args) -> dict:
-    """Wall and device time per step at ``size`` conversations per step (see the module docstring)."""
+def profile_batch_size(model, dataset, collator, optimizer, device, size: int, args, captured=None) -> dict:
+    """Wall and device time per step at ``size`` conversations per step (see the module docstring); ``captured``:
+    by this :class:`CapturedTrainingStep` of ``size`` rows."""
     needed = args.warmup + 2 * args.steps
     started = time.perf_counter()
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(size)).tolist()
@@ -79,7 +82,10 @@ def profile_batch_size(model, dataset, collator, optimizer, device, size: int, a
 
     def step(batch: dict) -> None:
         inputs = {k: upload(v, device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-        model(**inputs)["loss"].backward()
+        if captured is None:
+            model(**inputs)["loss"].backward()
+        else:
+            captured.step(inputs, inputs["cut_lengths"].numel())
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -88,7 +94,8 @@ def profile_batch_size(model, dataset, collator, optimizer, device, size: int, a
             torch.cuda.synchronize(device)
 
     started = time.perf_counter()
-    for batch in batches[: args.warmup]:
+    # captured: every batch once, so that each width's graph is captured before the timing
+    for batch in batches if captured is not None else batches[: args.warmup]:
         step(batch)
     synchronize()
     warmup_s = time.perf_counter() - started  # with --torch_compile, the first batch size's compilation too
@@ -132,6 +139,7 @@ def profile_batch_size(model, dataset, collator, optimizer, device, size: int, a
     return {"batch_size": size, "cuts_per_step": cuts, "padded_tokens_per_step": tokens,
             "forward_slots_per_step": slots, "data_ms_per_batch": data_ms,
             "warmup_s": warmup_s, "wall_ms_per_step": 1e3 * wall, "cuts_per_s": cuts / wall, "syncs_per_step": syncs,
+            "captures": None if captured is None else [{"width": w, "seconds": t} for w, t in captured.captures],
             "device_ms_per_step": sum(r[2] for r in rows) / 1e3, "kernels_per_step": sum(r[1] for r in rows),
             "top": [{"kernel": n, "calls_per_step": c, "us_per_step": t} for n, c, t in rows[: args.top]],
             "top_host": [{"operator": n, "calls_per_step": c, "us_per_step": t} for n, c, t in host_rows[: args.top]]}
@@ -142,9 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     variants = []
     for variant in args.variants:
         attention, _, multiple = variant.partition(":")
-        if attention not in ("any", "plan_free") or not multiple.isdigit() or int(multiple) < 1:
-            raise SystemExit(f"train_profile: error: --variants {variant!r}: expected any|plan_free:MULTIPLE")
-        variants.append((variant, attention == "plan_free", int(multiple)))
+        if attention not in ("any", "plan_free", "captured") or not multiple.isdigit() or int(multiple) < 1:
+            raise SystemExit(f"train_profile: error: --variants {variant!r}: expected any|plan_free|captured:MULTIPLE")
+        variants.append((variant, attention, int(multiple)))
     if min(args.batch_sizes) < 1 or args.steps < 1 or args.warmup < 0:
         raise SystemExit("train_profile: error: batch sizes and --steps must be at least 1, --warmup at least 0")
     model, dataset, collator, training_args = load(args)
@@ -154,11 +162,13 @@ def main(argv: list[str] | None = None) -> int:
                          "(the largest batch size times --warmup + 2 x --steps)")
     optimizer = torch.optim.AdamW(model.parameters(), lr=training_args.learning_rate)
     results = []
-    for variant, plan_free, multiple in variants:
-        model.plan_free_attention, model.width_multiple = plan_free, multiple
-        results += [{"variant": variant, **profile_batch_size(model, dataset, collator, optimizer,
-                                                               training_args.device, size, args)}
-                    for size in args.batch_sizes]
+    per_row = max(len(group) for group in dataset.groups)
+    for variant, attention, multiple in variants:
+        model.plan_free_attention, model.width_multiple = attention == "plan_free", multiple
+        for size in args.batch_sizes:
+            captured = CapturedTrainingStep(model, size, per_row, multiple) if attention == "captured" else None
+            results.append({"variant": variant, **profile_batch_size(model, dataset, collator, optimizer,
+                                                                      training_args.device, size, args, captured)})
     # input tokens: the collated batch's ids, padded to its longest conversation; forward slots: rows times the
     # width the model runs, prompt rows and the padding to the variant's multiple included
     print("| variant | batch | cuts/step | input tokens/step | forward slots/step | data ms | wall ms/step "

@@ -58,10 +58,11 @@ class LayerAttention:
         return next(iter(masks.values())) if len(masks) == 1 else masks
 
 
-def prompt_block_mask(num_tokens: int, num_ensemble: int, attention_type: AttentionType | str) -> torch.Tensor:
+def prompt_block_mask(num_tokens: int, num_ensemble: int, attention_type: AttentionType | str,
+                      device: torch.device | str = "cpu") -> torch.Tensor:
     """Which prompt-token rows see which, for the first ``num_tokens`` prompt tokens: bool [n*V, n*V]."""
     attention_type = AttentionType(attention_type)
-    rows = torch.arange(num_tokens * num_ensemble)
+    rows = torch.arange(num_tokens * num_ensemble, device=device)
     token, copy = rows // num_ensemble, rows % num_ensemble
     if attention_type is AttentionType.ENSEMBLE:
         return (copy[:, None] == copy[None, :]) & (token[None, :] <= token[:, None])
@@ -109,30 +110,50 @@ def packed_layout(
 
     Returns ``allowed`` bool [B, Q, Q] and ``position_ids`` long [B, Q].
     """
+    check_cuts(lengths, cuts)
+    width = packed_width(lengths, [len(row) for row in cuts], num_prompt_tokens * num_ensemble, width_multiple)
+    # (uploaded without waiting for the device: a training step builds this while the last one runs)
+    return layout_tensors(upload(lengths, device), upload(cut_table(cuts), device, torch.long),
+                          upload([len(row) for row in cuts], device), width, num_prompt_tokens, num_ensemble,
+                          attention_type)
+
+
+def check_cuts(lengths: list[int], cuts: list[list[int]]) -> None:
+    """Every cut of a row falls inside it (``1 <= c <= L``), one list of cuts per row."""
     if len(cuts) != len(lengths):
         raise ValueError(f"{len(lengths)} sequences but cuts for {len(cuts)}")
     for length, row in zip(lengths, cuts):
         if any(not 1 <= c <= length for c in row):
             raise ValueError(f"cuts {row} fall outside a sequence of {length} tokens (each must be in 1..{length})")
+
+
+def cut_table(cuts: list[list[int]], columns: int | None = None) -> list[list[int]]:
+    """The cuts of each row padded with zeros to ``columns`` (default: the most any row has) columns."""
+    columns = max(len(row) for row in cuts) if columns is None else columns
+    return [row + [0] * (columns - len(row)) for row in cuts]
+
+
+def layout_tensors(lengths: torch.Tensor, cuts: torch.Tensor, counts: torch.Tensor, width: int,
+                   num_prompt_tokens: int, num_ensemble: int, attention_type: AttentionType | str,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`packed_layout` from tensors alone, where they are: ``lengths`` [B], ``cuts`` [B, K] (each row's cuts
+    in its first ``counts[b]`` columns) and ``width``, at least the widest row's slots. Nothing is read back, so a
+    captured training step builds its layout in the graph from these few numbers."""
+    device = lengths.device
     n_rows = num_prompt_tokens * num_ensemble
-    most = max(len(row) for row in cuts)
-    # (uploaded without waiting for the device: a training step builds this while the last one runs)
-    lengths_t = upload(lengths, device)
-    cut_t = upload([row + [0] * (most - len(row)) for row in cuts], device, torch.long).reshape(len(cuts), most)
-    count_t = upload([len(row) for row in cuts], device)
-    width = packed_width(lengths, [len(row) for row in cuts], n_rows, width_multiple)
+    most = cuts.shape[1]
     slot = torch.arange(width, device=device)
-    length = lengths_t[:, None]  # [B, 1]
+    length = lengths[:, None]  # [B, 1]
     is_real = slot[None, :] < length  # [B, Q]
     rel = slot[None, :] - length  # [B, Q]: offset past the real tokens
     block = rel.clamp(min=0) // max(n_rows, 1)  # which cut a prompt row belongs to
-    is_prompt = (rel >= 0) & (block < count_t[:, None]) if n_rows else torch.zeros_like(is_real)
-    cut = cut_t.gather(1, block.clamp(max=max(most - 1, 0)))  # [B, Q], meaningful on prompt rows
+    is_prompt = (rel >= 0) & (block < counts[:, None]) if n_rows else torch.zeros_like(is_real)
+    cut = cuts.gather(1, block.clamp(max=max(most - 1, 0)))  # [B, Q], meaningful on prompt rows
 
     causal = slot[None, :, None] >= slot[None, None, :]  # [1, Q, Q] query >= key
     allowed = is_real[:, :, None] & is_real[:, None, :] & causal
     if n_rows:
-        pair_mask = upload(prompt_block_mask(num_prompt_tokens, num_ensemble, attention_type), device)
+        pair_mask = prompt_block_mask(num_prompt_tokens, num_ensemble, attention_type, device)  # made there
         r = rel.clamp(min=0) % n_rows
         pair = pair_mask[r[:, :, None], r[:, None, :]] & (block[:, :, None] == block[:, None, :])  # [B, Q, Q]
         sees_prefix = is_real[:, None, :] & (slot[None, None, :] < cut[:, :, None])

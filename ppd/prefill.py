@@ -9,11 +9,12 @@ before its cut (``attention.packed_layout``), so one forward trains every cut of
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from .attention import LayerAttention, packed_layout, to_additive, within_window
+from .attention import LayerAttention, check_cuts, cut_table, layout_tensors, packed_width, to_additive, within_window
 from .config import AttentionType
 from .deep_prompts import prompt_row_index
 from .uploads import upload
@@ -40,52 +41,96 @@ class PrefillInputs:
         return logits[self.cut_rows[:, None], self.where]
 
 
+@dataclass
+class PrefillPlan:
+    """Everything of a prefill forward that the token ids and cuts decide, as host tensors (:func:`plan_prefill`):
+    made before any device work, uploaded without waiting (:meth:`upload`) or copied into a captured step's
+    buffers, and turned into the forward's inputs on the device by :func:`prefill_inputs`."""
+
+    ids: torch.Tensor  # long [B, Q]: each row's tokens, zeros after them
+    lengths: torch.Tensor  # long [B]
+    cuts: torch.Tensor  # long [B, K]: row b's cuts in its first ``counts[b]`` columns, zeros after
+    counts: torch.Tensor  # long [B]
+    keep: torch.Tensor  # long [S]: the slots whose logits are computed
+    where: torch.Tensor  # long [C, 1 + N*V]: per cut, index into ``keep`` of its last input token, then its prompt rows
+    cut_rows: torch.Tensor  # long [C]
+
+    @property
+    def width(self) -> int:
+        return self.ids.shape[1]
+
+    def upload(self, device: torch.device | str) -> "PrefillPlan":
+        return PrefillPlan(*(upload(getattr(self, f.name), device) for f in dataclasses.fields(self)))
+
+
+def plan_prefill(batch: list[list[int]], num_prompt_tokens: int, num_ensemble: int = 1,
+                 cuts: list[list[int]] | None = None, width_multiple: int = 1, read_prompt_rows: bool = True
+                 ) -> PrefillPlan:
+    """The :class:`PrefillPlan` of ``batch`` (lists of token ids) with a block of ``N * V`` prompt rows per cut
+    (``cuts``, default one at the end of each row; see ``attention.packed_layout``), the width rounded up to a
+    multiple of ``width_multiple``. The logits kept per cut: its last input token and, if ``read_prompt_rows``,
+    its prompt rows."""
+    lengths = [len(x) for x in batch]
+    if min(lengths) < 1:
+        raise ValueError("every prompt needs at least one token")
+    cuts = [[n] for n in lengths] if cuts is None else [list(row) for row in cuts]
+    check_cuts(lengths, cuts)
+    n_rows = num_prompt_tokens * num_ensemble
+    width = packed_width(lengths, [len(row) for row in cuts], n_rows, width_multiple)
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    for b, x in enumerate(batch):
+        ids[b, : len(x)] = torch.as_tensor(x, dtype=torch.long)
+    read = n_rows if read_prompt_rows else 0
+    wanted, cut_rows = [], []
+    for b, (n, row) in enumerate(zip(lengths, cuts)):
+        for j, c in enumerate(row):
+            wanted.append([c - 1] + [n + j * n_rows + i for i in range(read)])
+            cut_rows.append(b)
+    keep = sorted({slot for row in wanted for slot in row})
+    index = {slot: i for i, slot in enumerate(keep)}
+    most = max(len(row) for row in cuts)
+    table = torch.tensor(cut_table(cuts, most), dtype=torch.long).view(len(cuts), most)
+    return PrefillPlan(ids, torch.tensor(lengths), table, torch.tensor([len(row) for row in cuts]), torch.tensor(keep),
+                       torch.tensor([[index[slot] for slot in row] for row in wanted]), torch.tensor(cut_rows))
+
+
+def prefill_inputs(model, plan: PrefillPlan, prompt_table: torch.Tensor | None, num_prompt_tokens: int,
+                   num_ensemble: int = 1, attention_type: AttentionType | str = AttentionType.ENSEMBLE) -> PrefillInputs:
+    """The forward's inputs from a plan on the model's device, by device work alone (nothing is read back, so a
+    captured training step runs this in its graph), with the ``prompt_table`` rows ([N * V, hidden], any dtype;
+    gradients flow into it) scattered into each cut's block (None: the plan's prompt slots hold embeddings of id 0)."""
+    allowed, positions = layout_tensors(plan.lengths, plan.cuts, plan.counts, plan.width, num_prompt_tokens,
+                                        num_ensemble, attention_type)
+    embeds = model.get_input_embeddings()(plan.ids)
+    n_rows = num_prompt_tokens * num_ensemble
+    prompt_rows = None
+    if prompt_table is not None and n_rows:
+        rel = torch.arange(plan.width, device=plan.ids.device)[None, :] - plan.lengths[:, None]  # [B, Q]
+        is_prompt = (rel >= 0) & (rel < plan.counts[:, None] * n_rows)
+        table = prompt_table.to(device=embeds.device, dtype=embeds.dtype)
+        prompt_rows = prompt_row_index(is_prompt, rel.clamp(min=0) % n_rows)
+        # Row 0 of the lookup is every real token's: no gradient to add up there (see deep_prompts' hooks).
+        looked_up = torch.nn.functional.embedding(prompt_rows, torch.cat([table.new_zeros(1, table.shape[1]), table]),
+                                                  padding_idx=0)
+        embeds = torch.where(is_prompt[..., None], looked_up, embeds)
+    layers = LayerAttention.of(model.config)
+    masks = {kind: to_additive((allowed if window is None else allowed & within_window(positions, positions, window)
+                                )[:, None], embeds.dtype) for kind, window in layers.kinds.items()}
+    return PrefillInputs(embeds, layers.pack(masks), positions, plan.lengths, plan.keep, plan.where, plan.cut_rows,
+                         prompt_rows)
+
+
 def build_prefill(model, batch: list[list[int]], prompt_table: torch.Tensor | None, num_prompt_tokens: int,
                   num_ensemble: int = 1, attention_type: AttentionType | str = AttentionType.ENSEMBLE,
                   cuts: list[list[int]] | None = None, width_multiple: int = 1) -> PrefillInputs:
     """Inputs of one prefill forward over ``batch`` (lists of token ids) with the ``prompt_table`` rows
     ([N * V, hidden], any dtype; gradients flow into it) appended after each row's tokens, or, with
     ``cuts``, one block of them per cut ``c`` of a row, reading that row's first ``c`` tokens. The width is
-    rounded up to a multiple of ``width_multiple`` with padding."""
-    embedding = model.get_input_embeddings()
-    device = embedding.weight.device
-    lengths = [len(x) for x in batch]
-    if min(lengths) < 1:
-        raise ValueError("every prompt needs at least one token")
-    cuts = [[n] for n in lengths] if cuts is None else [list(row) for row in cuts]
-    allowed, positions = packed_layout(lengths, cuts, num_prompt_tokens, num_ensemble, attention_type, device,
-                                       width_multiple)
-    width = allowed.shape[1]
-    ids = torch.zeros(len(batch), width, dtype=torch.long)
-    for b, x in enumerate(batch):
-        ids[b, : len(x)] = torch.as_tensor(x, dtype=torch.long)
-    embeds = embedding(upload(ids, device))
-    n_rows = num_prompt_tokens * num_ensemble if prompt_table is not None else 0
-    # The logits read per cut: its last input token and its block of prompt rows (known on the host, so no
-    # device round trip). Only those slots' logits are computed.
-    wanted, cut_rows = [], []
-    for b, (n, row) in enumerate(zip(lengths, cuts)):
-        for j, c in enumerate(row):
-            wanted.append((b, [c - 1] + [n + j * n_rows + i for i in range(n_rows)]))
-            cut_rows.append(b)
-    prompt_rows = None
-    if n_rows:
-        rel = torch.arange(width)[None, :] - torch.tensor(lengths)[:, None]  # [B, Q]
-        is_prompt = (rel >= 0) & (rel < torch.tensor([len(row) * n_rows for row in cuts])[:, None])
-        table = prompt_table.to(device=device, dtype=embeds.dtype)
-        prompt_rows = upload(prompt_row_index(is_prompt, rel.clamp(min=0) % n_rows), device)
-        # Row 0 of the lookup is every real token's: no gradient to add up there (see deep_prompts' hooks).
-        looked_up = torch.nn.functional.embedding(prompt_rows, torch.cat([table.new_zeros(1, table.shape[1]), table]),
-                                                  padding_idx=0)
-        embeds = torch.where(upload(is_prompt, device)[..., None], looked_up, embeds)
-    keep = sorted({slot for _, row in wanted for slot in row})
-    index = {slot: i for i, slot in enumerate(keep)}
-    where = upload([[index[slot] for slot in row] for _, row in wanted], device)
-    layers = LayerAttention.of(model.config)
-    masks = {kind: to_additive((allowed if window is None else allowed & within_window(positions, positions, window)
-                                )[:, None], embeds.dtype) for kind, window in layers.kinds.items()}
-    return PrefillInputs(embeds, layers.pack(masks), positions, upload(lengths, device), upload(keep, device), where,
-                         upload(cut_rows, device), prompt_rows)
+    rounded up to a multiple of ``width_multiple`` with padding. (The plan is made on the host and uploaded
+    without waiting for the device.)"""
+    plan = plan_prefill(batch, num_prompt_tokens, num_ensemble, cuts, width_multiple, prompt_table is not None)
+    device = model.get_input_embeddings().weight.device
+    return prefill_inputs(model, plan.upload(device), prompt_table, num_prompt_tokens, num_ensemble, attention_type)
 
 
 def average_copies(prompt_logits: torch.Tensor, num_prompt_tokens: int, num_ensemble: int) -> torch.Tensor:

@@ -7,7 +7,7 @@ Gradients still flow through the frozen base into the prompt-token embeddings.
 
 An example is a *cut*: the tokens before it, and targets for what follows. Cuts of the same conversation
 share their prefix, so a batch row may carry several: one sequence and one block of prompt tokens per cut,
-each block seeing only the tokens before its own cut (``prefill.build_prefill(..., cuts=...)``). The loss
+each block seeing only the tokens before its own cut (``prefill.plan_prefill(..., cuts=...)``). The loss
 of a cut is the same whether it trains alone or packed with others; one forward then trains them all.
 """
 
@@ -24,7 +24,7 @@ from torch import nn
 from .attention import plan_free_sdpa
 from .deep_prompts import decoder_layers, deep_weights, hooks_for
 from .losses import cross_entropy_loss, distillation_loss
-from .prefill import average_copies, build_prefill
+from .prefill import PrefillPlan, average_copies, plan_prefill, prefill_inputs
 from .prompt_tokens import PromptTokens
 
 
@@ -111,8 +111,15 @@ class PromptTokenModel(nn.Module):
         """
         config = self.prompt_tokens.config
         host = host or HostCuts.read_back(input_ids, lengths, cut_lengths, cut_rows)
-        inputs = build_prefill(self.base_model, host.sequences, self.prompt_tokens(), config.num_prompt_tokens,
-                               config.num_ensemble, config.attention_type, host.cuts, self.width_multiple)
+        plan = plan_prefill(host.sequences, config.num_prompt_tokens, config.num_ensemble, host.cuts,
+                            self.width_multiple)
+        return self.plan_logits(plan.upload(self.prompt_tokens.embeddings.device))
+
+    def plan_logits(self, plan: PrefillPlan) -> torch.Tensor:
+        """:meth:`prompt_logits` of a plan already on the device: device work alone (a captured step runs this)."""
+        config = self.prompt_tokens.config
+        inputs = prefill_inputs(self.base_model, plan, self.prompt_tokens(), config.num_prompt_tokens,
+                                config.num_ensemble, config.attention_type)
         if self.layer_offsets is not None:
             # (cast to the forward's dtype once, not in every layer's hook)
             self.layer_offsets.set(inputs.prompt_rows, deep_weights(self.prompt_tokens, inputs.embeds.dtype))

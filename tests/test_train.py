@@ -394,16 +394,44 @@ def test_a_resumed_run_writes_the_log_of_an_uninterrupted_one(tiny_setup, tmp_pa
     assert comparable(resumed) == comparable(full)
 
 
+def test_a_captured_step_trains_what_the_eager_step_trains(tiny_setup, tmp_path):
+    # Without CUDA the captured step runs its padded batches eagerly: the same losses, the same prompt tokens.
+    args = ["--max_steps", "4", "--gradient_accumulation_steps", "2", "--save_strategy", "no"]
+    assert run_tiny(tiny_setup, tmp_path / "eager", *args) == 0
+    assert run_tiny(tiny_setup, tmp_path / "captured", *args, "--capture_step", "--width_multiple", "16") == 0
+    logs = [json.loads((tmp_path / name / "training_log.json").read_text()) for name in ("eager", "captured")]
+    assert logs[0]["captured_step"] is None
+    assert logs[1]["captured_step"] == {"micro_batches": 8, "width_multiple": 16, "captures": []}  # no CUDA here
+    losses = [[e["loss"] for e in log["log_history"] if "loss" in e] for log in logs]
+    assert len(losses[0]) == 4
+    assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+    assert logs[1]["final_eval"]["eval_loss"] == pytest.approx(logs[0]["final_eval"]["eval_loss"], rel=1e-4)
+    tokens = [load_file(str(tmp_path / name / "prompt_tokens.safetensors")) for name in ("eager", "captured")]
+    for name, value in tokens[0].items():
+        torch.testing.assert_close(tokens[1][name], value, rtol=1e-4, atol=1e-6)
+
+
+def test_capture_step_with_gradient_checkpointing_is_refused(tmp_path, capsys, nothing_loads):
+    with pytest.raises(SystemExit):
+        train.main(["--dataset_path", str(tmp_path / "data"), "--output_dir", str(tmp_path / "out"),
+                    "--capture_step", "--gradient_checkpointing"])
+    assert "--capture_step and --gradient_checkpointing cannot be combined" in capsys.readouterr().err
+
+
 def test_the_training_step_profile_reports_every_variant_and_batch_size(tiny_setup, tmp_path):
     from eval import train_profile
 
     out = tmp_path / "profile.json"
     assert train_profile.main(["--dataset_path", str(tiny_setup / "data"), "--batch_sizes", "4", "2", "--steps", "2",
-                               "--warmup", "1", "--variants", "any:1", "plan_free:16", "--output", str(out), "--",
-                               "--model", str(tiny_setup / "model"), "--deep", "--map_rank", "2"]) == 0
+                               "--warmup", "1", "--variants", "any:1", "plan_free:16", "captured:16", "--output",
+                               str(out), "--", "--model", str(tiny_setup / "model"), "--deep", "--map_rank", "2"]) == 0
     results = json.loads(out.read_text())["results"]
     assert [(r["variant"], r["batch_size"]) for r in results] == [("any:1", 4), ("any:1", 2), ("plan_free:16", 4),
-                                                                   ("plan_free:16", 2)]
+                                                                   ("plan_free:16", 2), ("captured:16", 4),
+                                                                   ("captured:16", 2)]
+    # the captured step (eager here: no CUDA) pads its batches as the plain step padded to 16 does
+    assert [r["forward_slots_per_step"] for r in results[4:]] == [r["forward_slots_per_step"] for r in results[2:4]]
+    assert [r["captures"] for r in results] == [None] * 4 + [[]] * 2
     for r in results:
         assert r["cuts_per_step"] == r["batch_size"] and r["wall_ms_per_step"] > 0 and r["kernels_per_step"] > 0
         assert any("mm" in k["kernel"] for k in r["top"])  # on a CPU: the operators' own time
@@ -413,7 +441,7 @@ def test_the_training_step_profile_reports_every_variant_and_batch_size(tiny_set
         assert one["forward_slots_per_step"] == one["padded_tokens_per_step"] + 3 * one["batch_size"]
         most = one["forward_slots_per_step"] + 16 * one["batch_size"]
         assert one["forward_slots_per_step"] < sixteen["forward_slots_per_step"] < most
-    with pytest.raises(SystemExit, match="expected any|plan_free:MULTIPLE"):
+    with pytest.raises(SystemExit, match=re.escape("expected any|plan_free|captured:MULTIPLE")):
         train_profile.main(["--dataset_path", str(tiny_setup / "data"), "--variants", "cudnn:0"])
     with pytest.raises(SystemExit, match="40 conversations in the dataset, 84 needed"):
         train_profile.main(["--dataset_path", str(tiny_setup / "data"), "--batch_sizes", "4", "--steps", "10",

@@ -91,7 +91,12 @@ class DataArguments:
                 "conversations: --per_device_train_batch_size 4 with 8 cuts each trains 32 examples per forward"})
     width_multiple: int | None = field(default=None, metadata={
         "help": "pad each batch's width (its longest row's tokens and prompt rows) to a multiple of this, so that "
-                "kernels planned or captured per shape meet fewer shapes (default: 128 on a GPU, 1 on a CPU)"})
+                "kernels planned or captured per shape meet fewer shapes (default: 512 with --capture_step, else "
+                "128 on a GPU, 1 on a CPU)"})
+    capture_step: bool = field(default=False, metadata={
+        "help": "run each step's forward and backward as a CUDA graph, one per width bucket, captured at its first "
+                "batch (every batch padded to the bucket's shapes: --per_device_train_batch_size rows, the width to "
+                "a multiple of --width_multiple); without CUDA the padded step runs eagerly"})
 
     def __post_init__(self):
         if not self.dataset_path:
@@ -302,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model_args, data_args, pt_args, training_args = parser.parse_args_into_dataclasses(args=argv)
         check_training_arguments(training_args)
+        if data_args.capture_step and training_args.gradient_checkpointing:
+            raise ValueError("--capture_step and --gradient_checkpointing cannot be combined (a captured step keeps "
+                             "its activations): choose one")
     except ValueError as error:
         # One line, exit status 2 as argparse's own errors (parser.error would print the whole usage first:
         # hundreds of TrainingArguments flags).
@@ -336,12 +344,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         prompt_tokens = new_prompt_tokens(pt_args, model_args, base, tokenizer, model_info)
     model = PromptTokenModel(base, prompt_tokens, pt_args.objective, pt_args.loss_decay)
-    model.width_multiple = data_args.width_multiple or model.width_multiple
+    model.width_multiple = data_args.width_multiple or (512 if data_args.capture_step else model.width_multiple)
     compiled = compile_if_asked(model, training_args)
     trainer = PromptTokenTrainer(
         model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
         data_collator=PromptTokenCollator(num_prompt_tokens=pt_args.num_prompt_tokens),
-        map_learning_rate=pt_args.map_learning_rate,
+        map_learning_rate=pt_args.map_learning_rate, capture_step=data_args.capture_step,
     )
     resume = training_args.resume_from_checkpoint
     if resume in ("latest", "true", "True"):
@@ -384,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
                         "cuts_per_forward": data_args.cuts_per_forward},
             "training_arguments": training_args.to_dict(), "world_size": training_args.world_size,
             "train_seconds": train_seconds, "compiled_base": compiled,
+            "captured_step": None if trainer.captured is None else {
+                "micro_batches": trainer.captured.steps, "width_multiple": model.width_multiple,
+                "captures": [{"width": w, "seconds": round(t, 3)} for w, t in trainer.captured.captures]},
             # this call of train() (a resumed run counts the steps after the checkpoint)
             "throughput": {"examples": cuts_trained, "seconds": train_seconds,
                            "examples_per_s": cuts_trained / train_seconds if train_seconds > 0 else None},

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from transformers import Trainer, TrainerCallback
 
+from ppd.captured_training import CapturedTrainingStep
 from ppd.prompt_tokens import PromptTokens, count_non_finite
 from ppd.files import atomic_write_json
 from ppd.training import HeldOutTally, tally_held_out
@@ -86,9 +87,12 @@ class LaggedChecks:
 
 
 class PromptTokenTrainer(Trainer):
-    def __init__(self, *args, map_learning_rate: float | None = None, **kwargs):
+    def __init__(self, *args, map_learning_rate: float | None = None, capture_step: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.map_learning_rate = map_learning_rate  # the low-rank maps' own learning rate (None: the others')
+        # --capture_step: each micro-batch's forward and backward replayed from a CUDA graph (made at the first step)
+        self.capture_step = capture_step
+        self.captured: CapturedTrainingStep | None = None
         self.prompt_tokens: PromptTokens = self.model.prompt_tokens
         self.initial_eval: dict = {}  # the held-out evaluation before the first step
         # This process's training loss summed over the steps before a resumed checkpoint (None: resumed from a
@@ -129,11 +133,33 @@ class PromptTokenTrainer(Trainer):
             cuts = self.accelerator.reduce(cuts, reduction="sum")
         return batch_samples, cuts
 
-    def training_step(self, model, inputs, *args, **kwargs):
-        loss = super().training_step(model, inputs, *args, **kwargs)
+    def training_step(self, model, inputs, num_items_in_batch=None, *args, **kwargs):
+        if self.capture_step:
+            loss = self.captured_training_step(inputs, num_items_in_batch)
+        else:
+            loss = super().training_step(model, inputs, num_items_in_batch, *args, **kwargs)
         # This micro-batch's forward and backward are queued: read what came before it, not its own loss.
         self.checks.queue("loss", self.state.global_step + 1, loss)
         self.checks.settle(self.prompt_tokens, keep=1)
+        return loss
+
+    def captured_training_step(self, inputs: dict, num_items_in_batch) -> torch.Tensor:
+        """The micro-batch's forward and backward by :class:`CapturedTrainingStep`: its gradients added into
+        ``.grad`` and, at the last micro-batch of an optimizer step, summed across processes (DDP's backward hooks,
+        which would, do not run). The loss returned is the one the eager step returns."""
+        core = self.accelerator.unwrap_model(self.model)
+        if self.captured is None:
+            per_row = max(len(group) for group in self.train_dataset.groups)
+            self.captured = CapturedTrainingStep(core, self.args.per_device_train_batch_size, per_row,
+                                                 core.width_multiple)
+        divisor = num_items_in_batch if num_items_in_batch is not None else inputs["cut_lengths"].numel()
+        loss = self.captured.step(inputs, divisor)
+        if self.args.world_size > 1:
+            if self.accelerator.sync_gradients:
+                for param in self.captured.params:
+                    torch.distributed.all_reduce(param.grad)
+            if self.args.average_tokens_across_devices:
+                loss = loss * self.args.world_size  # as compute_loss scales it (each process's share of the sum)
         return loss
 
     def settle_checks(self) -> None:

@@ -1,0 +1,149 @@
+"""The training step's forward and backward captured in CUDA graphs, one graph per width bucket.
+
+Eager, a step of the default model launches ~3,000-5,500 kernels one by one from Python, and at a few
+conversations a step the host takes 2-6x the device's time (``results/train/profile/``): a second GPU with half
+the batch each finishes no sooner. Captured, a step is one graph launch.
+
+A graph needs fixed shapes and fixed addresses, so every batch is padded on the host to the shapes of its bucket
+(:meth:`CapturedTrainingStep.static_batch`): ``rows`` batch rows (missing ones are one token with no cut), the
+width rounded up to a multiple of ``width_multiple`` (the bucket), ``rows * cuts_per_row`` cuts (missing ones
+repeat the first cut with weight 0) and as many kept logit slots as those cuts could need. The batch is copied into
+the bucket's input buffers without waiting for the device, the graph replayed, and its outputs, the loss and the
+gradient of every prompt-token tensor, taken at once: the graph builds the layout (``attention.layout_tensors``),
+runs the model and the loss and differentiates it, all from those buffers. Weighted by 0, a padded cut adds exactly
+nothing, so the loss and gradients are those of the unpadded batch (tested against the eager step).
+
+Gradients are added into the tensors' ``.grad`` as a backward would, so the optimizer, clipping and gradient
+accumulation work as they do eagerly; with several processes the caller sums them across processes (the graph
+replaces DDP's backward hooks). Without CUDA the same padded computation runs eagerly (what the tests on a CPU
+check). All graphs share one memory pool: they never run at once, and each replay's outputs are consumed before
+the next one is queued.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from .prefill import PrefillPlan, plan_prefill
+from .training import HostCuts, PromptTokenModel
+
+logger = logging.getLogger(__name__)
+
+WARMUP_RUNS = 2  # eager runs on a side stream before a capture (cuDNN plans, cuBLAS workspaces)
+PLAN_FIELDS = ("ids", "lengths", "cuts", "counts", "keep", "where", "cut_rows")
+TARGETS = ("labels", "teacher_topk_ids", "teacher_topk_logprobs")
+
+
+class CapturedTrainingStep:
+    """``step(batch, divisor)``: add the gradient of ``sum(cut losses) / divisor`` to the prompt tokens' ``.grad``
+    and return the loss, by replaying the CUDA graph of the batch's width bucket (captured on first use)."""
+
+    def __init__(self, model: PromptTokenModel, rows: int, cuts_per_row: int, width_multiple: int = 512):
+        if rows < 1 or cuts_per_row < 1 or width_multiple < 1:
+            raise ValueError(f"a captured step needs rows, cuts per row and a width multiple of at least 1, got "
+                             f"{rows}, {cuts_per_row}, {width_multiple}")
+        if model.checkpointing:
+            raise ValueError("a captured training step cannot recompute activations (gradient checkpointing)")
+        self.model, self.rows, self.cuts_per_row, self.width_multiple = model, rows, cuts_per_row, width_multiple
+        config = model.prompt_tokens.config
+        self.num_cuts = rows * cuts_per_row
+        self.num_slots = self.num_cuts * (1 + config.num_prompt_tokens * config.num_ensemble)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.device = self.params[0].device
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict, torch.Tensor, tuple]] = {}
+        self.captures: list[tuple[int, float]] = []  # (width, seconds of warm-up and capture)
+        self.steps = 0  # micro-batches run
+        self._pool = None
+
+    # ------------------------------------------------------------------ host
+    def static_batch(self, batch: dict, divisor) -> dict[str, torch.Tensor]:
+        """The batch (from :class:`PromptTokenCollator`) padded to its bucket's shapes, as host tensors: the plan's
+        fields, the targets, ``weights`` [cuts] (1 for a real cut, 0 for padding) and ``divisor`` (a number or a
+        tensor: what the summed loss is divided by)."""
+        config = self.model.prompt_tokens.config
+        host = batch.get("host") or HostCuts.read_back(batch["input_ids"], batch["lengths"], batch.get("cut_lengths"),
+                                                       batch.get("cut_rows"))
+        if len(host.sequences) > self.rows:
+            raise ValueError(f"a batch of {len(host.sequences)} sequences, but the captured step has {self.rows} rows")
+        widest = max(len(row) for row in host.cuts)
+        if widest > self.cuts_per_row:
+            raise ValueError(f"a sequence with {widest} cuts, but the captured step has room for {self.cuts_per_row}")
+        missing = self.rows - len(host.sequences)
+        plan = plan_prefill(host.sequences + [[0]] * missing, config.num_prompt_tokens, config.num_ensemble,
+                            host.cuts + [[]] * missing, self.width_multiple)
+        real = plan.where.shape[0]
+
+        def pad(values: torch.Tensor, size: int) -> torch.Tensor:  # rows past the real ones repeat the first
+            return torch.cat([values, values[:1].expand(size - len(values), *values.shape[1:])])
+
+        static = {"ids": plan.ids, "lengths": plan.lengths, "counts": plan.counts,
+                  "cuts": torch.nn.functional.pad(plan.cuts, (0, self.cuts_per_row - plan.cuts.shape[1])),
+                  "keep": pad(plan.keep, self.num_slots), "where": pad(plan.where, self.num_cuts),
+                  "cut_rows": pad(plan.cut_rows, self.num_cuts),
+                  "weights": torch.cat([torch.ones(real), torch.zeros(self.num_cuts - real)]),
+                  "divisor": torch.as_tensor(divisor, dtype=torch.float32).reshape(())}
+        for name in TARGETS:
+            if batch.get(name) is not None:
+                static[name] = pad(batch[name], self.num_cuts)
+        return static
+
+    # ------------------------------------------------------------------ device
+    def loss_and_grads(self, static: dict[str, torch.Tensor]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """From tensors on the device alone: the weighted loss and its gradient for every trained tensor."""
+        plan = PrefillPlan(*(static[name] for name in PLAN_FIELDS))
+        logits = self.model.plan_logits(plan)
+        losses = self.model.loss(logits, static.get("labels"), static.get("teacher_topk_ids"),
+                                 static.get("teacher_topk_logprobs"), per_example=True)
+        loss = (losses * static["weights"]).sum() / static["divisor"]
+        return loss.detach(), torch.autograd.grad(loss, self.params)
+
+    def step(self, batch: dict, divisor) -> torch.Tensor:
+        """Add this batch's gradients to ``.grad`` (as ``backward`` would) and return its loss (a new tensor)."""
+        static = self.static_batch(batch, divisor)
+        self.steps += 1
+        if self.device.type != "cuda":
+            loss, grads = self.loss_and_grads({name: value.to(self.device) for name, value in static.items()})
+        else:
+            graph, inputs, loss, grads = self._graph(static)
+            for name, value in static.items():
+                inputs[name].copy_(value.pin_memory() if value.device.type == "cpu" else value, non_blocking=True)
+            graph.replay()
+        # Taken before the next replay (of any graph: they share memory) overwrites them.
+        for param, grad in zip(self.params, grads):
+            if param.grad is None:
+                param.grad = grad.clone()
+            else:
+                param.grad.add_(grad)
+        return loss.clone()
+
+    def _graph(self, static: dict[str, torch.Tensor]):
+        width = static["ids"].shape[1]
+        found = self.graphs.get(width)
+        if found is None:
+            found = self.graphs[width] = self._capture(static)
+        return found
+
+    def _capture(self, static: dict[str, torch.Tensor]):
+        start = time.perf_counter()
+        inputs = {name: value.to(self.device) for name, value in static.items()}
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_RUNS):
+                self.loss_and_grads(inputs)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            loss, grads = self.loss_and_grads(inputs)
+        torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - start
+        width = static["ids"].shape[1]
+        self.captures.append((width, seconds))
+        logger.info("captured the training step at width %d (%d rows, %d cuts) in %.2f s", width, self.rows,
+                    self.num_cuts, seconds)
+        return graph, inputs, loss, grads
