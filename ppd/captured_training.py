@@ -51,7 +51,7 @@ class CapturedTrainingStep:
         config = model.prompt_tokens.config
         self.num_cuts = rows * cuts_per_row
         self.num_slots = self.num_cuts * (1 + config.num_prompt_tokens * config.num_ensemble)
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.params = list(model.prompt_tokens.tensors().values())
         self.device = self.params[0].device
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict, torch.Tensor, tuple]] = {}
         self.captures: list[tuple[int, float]] = []  # (width, seconds of warm-up and capture)
@@ -94,11 +94,15 @@ class CapturedTrainingStep:
     def loss_and_grads(self, static: dict[str, torch.Tensor]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """From tensors on the device alone: the weighted loss and its gradient for every trained tensor."""
         plan = PrefillPlan(*(static[name] for name in PLAN_FIELDS))
-        logits = self.model.plan_logits(plan)
+        # The gradient is taken at views of the tensors, made here, not at the tensors themselves: autograd would
+        # otherwise sync with the stream each tensor's gradient accumulator was made on, and DDP makes those on
+        # the default stream, which a capture must not touch.
+        views = {name: tensor.view_as(tensor) for name, tensor in self.model.prompt_tokens.tensors().items()}
+        logits = self.model.plan_logits(plan, views)
         losses = self.model.loss(logits, static.get("labels"), static.get("teacher_topk_ids"),
                                  static.get("teacher_topk_logprobs"), per_example=True)
         loss = (losses * static["weights"]).sum() / static["divisor"]
-        return loss.detach(), torch.autograd.grad(loss, self.params)
+        return loss.detach(), torch.autograd.grad(loss, list(views.values()))
 
     def step(self, batch: dict, divisor) -> torch.Tensor:
         """Add this batch's gradients to ``.grad`` (as ``backward`` would) and return its loss (a new tensor)."""
@@ -138,7 +142,8 @@ class CapturedTrainingStep:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: other threads' CUDA calls (NCCL's watchdog in a multi-GPU run, the loader's pinning) go on
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             loss, grads = self.loss_and_grads(inputs)
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start

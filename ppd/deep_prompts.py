@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .prompt_tokens import MAP_NAMES, OFFSETS_NAME
+
 
 def decoder_layers(model) -> nn.ModuleList:
     """The decoder layers of a transformers causal LM (or of its base model): the module list under the base
@@ -113,21 +115,24 @@ def hooks_for(model, tokens) -> LayerOffsets | None:
     return hooks
 
 
-def deep_weights(tokens, dtype: torch.dtype | None = None, detach: bool = False) -> DeepWeights:
+def deep_weights(tokens, dtype: torch.dtype | None = None, detach: bool = False,
+                 tensors: dict[str, torch.Tensor] | None = None) -> DeepWeights:
     """The hooks' :class:`DeepWeights` for deep ``tokens``, in ``dtype``: differentiable (training reads its
-    parameters through this) unless ``detach`` (the decoder's)."""
+    parameters through this) unless ``detach`` (the decoder's). ``tensors``: stand-ins for some of the tokens' own
+    tensors, by their on-disk names (``PromptTokens.tensors``)."""
     def cast(t: torch.Tensor) -> torch.Tensor:
         t = t.detach() if detach else t
         return t if dtype is None else t.to(dtype)
 
-    offsets = cast(tokens.offsets)
+    found = {**tokens.tensors(), **(tensors or {})}
+    offsets = cast(found[OFFSETS_NAME])
     padded = torch.cat([offsets.new_zeros(offsets.shape[0], 1, offsets.shape[2]), offsets], dim=1)
     rank = tokens.config.map_rank
     if not rank:
         return DeepWeights(padded)
     own = torch.eye(tokens.config.num_rows, device=offsets.device, dtype=padded.dtype).repeat_interleave(rank, dim=1)
     select = torch.cat([own.new_zeros(1, own.shape[1]), own])
-    return DeepWeights(padded, cast(tokens.map_down), cast(tokens.map_up), select)
+    return DeepWeights(padded, *(cast(found[name]) for name in MAP_NAMES), select)
 
 
 def prompt_row_index(is_prompt: torch.Tensor, table_row: torch.Tensor) -> torch.Tensor:

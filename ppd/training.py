@@ -25,7 +25,7 @@ from .attention import plan_free_sdpa
 from .deep_prompts import decoder_layers, deep_weights, hooks_for
 from .losses import cross_entropy_loss, distillation_loss
 from .prefill import PrefillPlan, average_copies, plan_prefill, prefill_inputs
-from .prompt_tokens import PromptTokens
+from .prompt_tokens import TENSOR_NAME, PromptTokens
 
 
 class Objective(str, Enum):
@@ -115,14 +115,17 @@ class PromptTokenModel(nn.Module):
                             self.width_multiple)
         return self.plan_logits(plan.upload(self.prompt_tokens.embeddings.device))
 
-    def plan_logits(self, plan: PrefillPlan) -> torch.Tensor:
-        """:meth:`prompt_logits` of a plan already on the device: device work alone (a captured step runs this)."""
+    def plan_logits(self, plan: PrefillPlan, tensors: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """:meth:`prompt_logits` of a plan already on the device: device work alone (a captured step runs this).
+        ``tensors``: stand-ins for the prompt tokens' tensors (by ``PromptTokens.tensors`` names) to read instead."""
         config = self.prompt_tokens.config
-        inputs = prefill_inputs(self.base_model, plan, self.prompt_tokens(), config.num_prompt_tokens,
-                                config.num_ensemble, config.attention_type)
+        table = self.prompt_tokens() if tensors is None else tensors[TENSOR_NAME]
+        inputs = prefill_inputs(self.base_model, plan, table, config.num_prompt_tokens, config.num_ensemble,
+                                config.attention_type)
         if self.layer_offsets is not None:
             # (cast to the forward's dtype once, not in every layer's hook)
-            self.layer_offsets.set(inputs.prompt_rows, deep_weights(self.prompt_tokens, inputs.embeds.dtype))
+            self.layer_offsets.set(inputs.prompt_rows, deep_weights(self.prompt_tokens, inputs.embeds.dtype,
+                                                                    tensors=tensors))
         with plan_free_sdpa() if self.plan_free_attention else contextlib.nullcontext():
             out = self.base_model(inputs_embeds=inputs.embeds, attention_mask=inputs.mask,
                                   position_ids=inputs.positions, use_cache=False, logits_to_keep=inputs.keep)

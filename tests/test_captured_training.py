@@ -90,6 +90,9 @@ def test_replayed_graphs_give_the_eager_step_on_a_gpu():
     batches = [collate(_features(generator, shape, 3)) for shape in
                ([(20, [3, 9, 20]), (11, [11])], [(50, [5, 40, 50, 50])], [(7, [2, 7])])]
     batches = [{k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in b.items()} for b in batches]
+    # As DDP does: every tensor's gradient accumulator made on the default stream, and kept (a capture that synced
+    # with them would fail)
+    accumulators = [t.view_as(t).grad_fn.next_functions[0][0] for t in captured.params]
     for batch in batches + batches[::-1]:  # widths 32, 64, 32, then back: graphs of one pool replayed in any order
         eager_loss, eager_grads = _eager(trainer, batch)
         for p in captured.params:
@@ -98,4 +101,4 @@ def test_replayed_graphs_give_the_eager_step_on_a_gpu():
         torch.testing.assert_close(loss, eager_loss, rtol=1e-4, atol=1e-5)
         for grad, param in zip(eager_grads, captured.params):
             torch.testing.assert_close(param.grad, grad, rtol=1e-3, atol=1e-5)
-    assert sorted(width for width, _ in captured.captures) == [32, 64]
+    assert sorted(width for width, _ in captured.captures) == [32, 64] and len(accumulators) == 3
