@@ -112,7 +112,6 @@ def packed_layout(
     """
     check_cuts(lengths, cuts)
     width = packed_width(lengths, [len(row) for row in cuts], num_prompt_tokens * num_ensemble, width_multiple)
-    # (uploaded without waiting for the device: a training step builds this while the last one runs)
     return layout_tensors(upload(lengths, device), upload(cut_table(cuts), device, torch.long),
                           upload([len(row) for row in cuts], device), width, num_prompt_tokens, num_ensemble,
                           attention_type)

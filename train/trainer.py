@@ -10,9 +10,12 @@ with directly.
 
 Training stops with ``NonFiniteError`` at the first non-finite loss or prompt-token value, and every save
 checks the prompt tokens first: an adapter or checkpoint never holds NaN or inf. A step's values are read one
-step late (:class:`LaggedChecks`): reading them at once would make the host wait for the device at every step. Each checkpoint also keeps
-the run's record (``ppd_training_record.json``: the evaluation before training and the summed loss of the
-steps so far), so a resumed run reports what an uninterrupted one would.
+step late (:class:`LaggedChecks`): reading them at once would make the host wait for the device at every step.
+Each checkpoint also keeps the run's record (``ppd_training_record.json``: the evaluation before training and the
+summed loss of the steps so far), so a resumed run reports what an uninterrupted one would.
+
+``--capture_step`` runs each micro-batch's forward and backward through ``ppd.captured_training`` (CUDA graphs)
+instead of the Trainer's own ``compute_loss`` and backward; everything after the gradients is the Trainer's.
 """
 
 from __future__ import annotations
