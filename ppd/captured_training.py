@@ -79,9 +79,10 @@ class CapturedTrainingStep:
         def pad(values: torch.Tensor, size: int) -> torch.Tensor:  # rows past the real ones repeat the first
             return torch.cat([values, values[:1].expand(size - len(values), *values.shape[1:])])
 
+        # (the kept slots are positions of one row: never more than the width, whatever the cuts could need)
         static = {"ids": plan.ids, "lengths": plan.lengths, "counts": plan.counts,
                   "cuts": torch.nn.functional.pad(plan.cuts, (0, self.cuts_per_row - plan.cuts.shape[1])),
-                  "keep": pad(plan.keep, self.num_slots), "where": pad(plan.where, self.num_cuts),
+                  "keep": pad(plan.keep, min(self.num_slots, plan.width)), "where": pad(plan.where, self.num_cuts),
                   "cut_rows": pad(plan.cut_rows, self.num_cuts),
                   "weights": torch.cat([torch.ones(real), torch.zeros(self.num_cuts - real)]),
                   "divisor": torch.as_tensor(divisor, dtype=torch.float32).reshape(())}

@@ -13,7 +13,8 @@ import torch
 
 
 def upload(values, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``values`` (a host tensor, or numbers a tensor is made of) on ``device``, copied without waiting for it."""
+    """``values`` (a host tensor, or numbers a tensor is made of) on ``device``, copied without waiting for it.
+    A host tensor that is already pinned is copied from as it is: it must not change until the copy has run."""
     tensor = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
     if dtype is not None:
         tensor = tensor.to(dtype)

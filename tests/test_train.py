@@ -411,11 +411,15 @@ def test_a_captured_step_trains_what_the_eager_step_trains(tiny_setup, tmp_path)
         torch.testing.assert_close(tokens[1][name], value, rtol=1e-4, atol=1e-6)
 
 
-def test_capture_step_with_gradient_checkpointing_is_refused(tmp_path, capsys, nothing_loads):
-    with pytest.raises(SystemExit):
+@pytest.mark.parametrize("flags, named", [(["--gradient_checkpointing"], "--gradient_checkpointing"),
+                                          (["--bf16", "--use_cpu"], "--bf16"),
+                                          (["--optim", "schedule_free_adamw"], "--optim schedule_free_adamw")])
+def test_capture_step_with_what_it_cannot_run_is_refused(flags, named, tmp_path, capsys, nothing_loads):
+    with pytest.raises(SystemExit) as exit_info:
         train.main(["--dataset_path", str(tmp_path / "data"), "--output_dir", str(tmp_path / "out"),
-                    "--capture_step", "--gradient_checkpointing"])
-    assert "--capture_step and --gradient_checkpointing cannot be combined" in capsys.readouterr().err
+                    "--capture_step", *flags])
+    assert exit_info.value.code == 2
+    assert f"train: error: --capture_step cannot be combined with {named} (" in capsys.readouterr().err
 
 
 def test_the_training_step_profile_reports_every_variant_and_batch_size(tiny_setup, tmp_path):

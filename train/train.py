@@ -96,7 +96,8 @@ class DataArguments:
     capture_step: bool = field(default=False, metadata={
         "help": "run each step's forward and backward as a CUDA graph, one per width bucket, captured at its first "
                 "batch (every batch padded to the bucket's shapes: --per_device_train_batch_size rows, the width to "
-                "a multiple of --width_multiple); without CUDA the padded step runs eagerly"})
+                "a multiple of --width_multiple); without CUDA the padded step runs eagerly. Not with "
+                "--gradient_checkpointing, --fp16/--bf16, DeepSpeed, FSDP or a schedule-free optimizer"})
 
     def __post_init__(self):
         if not self.dataset_path:
@@ -283,6 +284,23 @@ def compile_if_asked(model: PromptTokenModel, args) -> bool:
     return True
 
 
+def check_capture_step(data_args: DataArguments, args) -> None:
+    """Refuse what ``--capture_step`` cannot run with: it replaces the Trainer's forward and backward, so it does
+    none of what they add around the model (autocast and loss scaling, DeepSpeed's or FSDP's engines, a
+    schedule-free optimizer's mode switch), and it keeps every activation of the graph."""
+    if not data_args.capture_step:
+        return
+    optim = str(getattr(args.optim, "value", args.optim))  # (an enum of transformers')
+    clashes = [flag for flag, on in (("--gradient_checkpointing", args.gradient_checkpointing), ("--fp16", args.fp16),
+                                     ("--bf16", args.bf16), ("--deepspeed", args.deepspeed), ("--fsdp", args.fsdp),
+                                     (f"--optim {optim}", optim.startswith("schedule_free"))) if on]
+    if clashes:
+        raise ValueError(f"--capture_step cannot be combined with {', '.join(clashes)} (the captured step runs the "
+                         "forward and backward itself, without mixed-precision autocast, loss scaling, DeepSpeed, "
+                         "FSDP or a schedule-free optimizer's switch, and keeps its activations); the base model "
+                         "already runs in --dtype")
+
+
 def keep_host_ahead(args) -> None:
     """Settings under which a step never waits for the device, so the host prepares and queues step k + 1 while
     the device runs step k (a training step is otherwise bound by the host: results/train/profile/).
@@ -307,9 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model_args, data_args, pt_args, training_args = parser.parse_args_into_dataclasses(args=argv)
         check_training_arguments(training_args)
-        if data_args.capture_step and training_args.gradient_checkpointing:
-            raise ValueError("--capture_step and --gradient_checkpointing cannot be combined (a captured step keeps "
-                             "its activations): choose one")
+        check_capture_step(data_args, training_args)
     except ValueError as error:
         # One line, exit status 2 as argparse's own errors (parser.error would print the whole usage first:
         # hundreds of TrainingArguments flags).

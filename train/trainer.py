@@ -158,10 +158,15 @@ class PromptTokenTrainer(Trainer):
         divisor = num_items_in_batch if num_items_in_batch is not None else inputs["cut_lengths"].numel()
         loss = self.captured.step(inputs, divisor)
         if self.args.world_size > 1:
+            # Each process's loss is its share of the step's (the divisor counts every process's cuts): the sum of
+            # the gradients is the step's. Without that count each divides by its own cuts, and DDP would average.
+            shared = self.args.average_tokens_across_devices
             if self.accelerator.sync_gradients:
                 for param in self.captured.params:
                     torch.distributed.all_reduce(param.grad)
-            if self.args.average_tokens_across_devices:
+                    if not shared:
+                        param.grad.div_(self.args.world_size)
+            if shared:
                 loss = loss * self.args.world_size  # as compute_loss scales it (each process's share of the sum)
         return loss
 
