@@ -15,7 +15,8 @@ nothing, so the loss and gradients are those of the unpadded batch (tested again
 
 Gradients are added into the tensors' ``.grad`` as a backward would, so the optimizer, clipping and gradient
 accumulation work as they do eagerly; with several processes the caller sums them across processes (the graph
-replaces DDP's backward hooks). Without CUDA the same padded computation runs eagerly (what the tests on a CPU
+replaces DDP's backward hooks). :meth:`CapturedTrainingStep.prepare` captures every bucket a dataset needs before
+the first step, on every process alike; a bucket met later is captured at its first use. Without CUDA the same padded computation runs eagerly (what the tests on a CPU
 check). All graphs share one memory pool: they never run at once, and each replay's outputs are consumed before
 the next one is queued.
 """
@@ -32,7 +33,8 @@ from .training import HostCuts, PromptTokenModel
 
 logger = logging.getLogger(__name__)
 
-WARMUP_RUNS = 2  # eager runs on a side stream before a capture (cuDNN plans, cuBLAS workspaces)
+WARMUP_RUNS = 2  # eager runs on the side stream before the first capture (cuDNN plans, cuBLAS workspaces)
+LATER_WARMUP_RUNS = 1  # before each later one (the new width's cuDNN plans)
 PLAN_FIELDS = ("ids", "lengths", "cuts", "counts", "keep", "where", "cut_rows")
 TARGETS = ("labels", "teacher_topk_ids", "teacher_topk_logprobs")
 
@@ -57,8 +59,33 @@ class CapturedTrainingStep:
         self.captures: list[tuple[int, float]] = []  # (width, seconds of warm-up and capture)
         self.steps = 0  # micro-batches run
         self._pool = None
+        self._side: torch.cuda.Stream | None = None  # the stream every warm-up and capture runs on
 
     # ------------------------------------------------------------------ host
+    def bucket(self, width: int) -> int:
+        """The captured width of a batch whose widest row needs ``width`` slots."""
+        return -(-width // self.width_multiple) * self.width_multiple
+
+    def prepare(self, template: dict, row_widths) -> list[int]:
+        """Capture, before training, the graph of every bucket a batch of these rows can fall in (a batch's width
+        is its widest row's bucket), widest first, and return those widths. Every process of a run captures the
+        same buckets in the same order at its first step, so none waits at an all-reduce while another captures
+        later on. ``template``: a collated batch of the dataset, whose target columns give the buffers' shapes.
+        Nothing is captured without CUDA."""
+        widths = sorted({self.bucket(w) for w in row_widths}, reverse=True)
+        if self.device.type != "cuda":
+            return widths
+        config = self.model.prompt_tokens.config
+        rows_per_cut = config.num_prompt_tokens * config.num_ensemble
+        for width in widths:
+            if width in self.graphs:
+                continue
+            length = width - rows_per_cut  # one row of one cut filling the bucket
+            batch = {name: template[name][:1] for name in TARGETS if template.get(name) is not None}
+            batch["host"] = HostCuts([[0] * length], [[length]])
+            self.graphs[width] = self._capture(self.static_batch(batch, 1))
+        return widths
+
     def static_batch(self, batch: dict, divisor) -> dict[str, torch.Tensor]:
         """The batch (from :class:`PromptTokenCollator`) padded to its bucket's shapes, as host tensors: the plan's
         fields, the targets, ``weights`` [cuts] (1 for a real cut, 0 for padding) and ``divisor`` (a number or a
@@ -134,10 +161,12 @@ class CapturedTrainingStep:
     def _capture(self, static: dict[str, torch.Tensor]):
         start = time.perf_counter()
         inputs = {name: value.to(self.device) for name, value in static.items()}
-        side = torch.cuda.Stream(self.device)
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        side = self._side
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            for _ in range(WARMUP_RUNS):
+            for _ in range(LATER_WARMUP_RUNS if self.graphs else WARMUP_RUNS):
                 self.loss_and_grads(inputs)
         torch.cuda.current_stream(self.device).wait_stream(side)
         if self._pool is None:

@@ -79,6 +79,15 @@ def test_a_batch_larger_than_the_step_is_refused():
         CapturedTrainingStep(trainer, rows=0, cuts_per_row=2)
 
 
+def test_prepare_names_the_buckets_of_the_rows_widest_first():
+    model = tiny_model("llama", vocab=VOCAB)
+    trainer = PromptTokenModel(model, random_prompt_tokens(model, n=2, v=1))
+    captured = CapturedTrainingStep(trainer, rows=2, cuts_per_row=3, width_multiple=16)
+    template = PromptTokenCollator()(_features(torch.Generator().manual_seed(0), [(9, [4, 9])], 2))
+    assert captured.prepare(template, [5, 16, 17, 40, 33, 12]) == [48, 32, 16]
+    assert captured.graphs == {} and captured.captures == []  # no graphs without CUDA
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_replayed_graphs_give_the_eager_step_on_a_gpu():
     model = tiny_model("llama", vocab=VOCAB).cuda()
@@ -90,6 +99,9 @@ def test_replayed_graphs_give_the_eager_step_on_a_gpu():
     batches = [collate(_features(generator, shape, 3)) for shape in
                ([(20, [3, 9, 20]), (11, [11])], [(50, [5, 40, 50, 50])], [(7, [2, 7])])]
     batches = [{k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in b.items()} for b in batches]
+    # Both buckets captured before the first step (from the rows' widths), none while stepping
+    assert captured.prepare(batches[0], [20 + 3 * 3, 50 + 4 * 3]) == [64, 32]
+    assert [width for width, _ in captured.captures] == [64, 32]
     # As DDP does: every tensor's gradient accumulator made on the default stream, and kept (a capture that synced
     # with them would fail)
     accumulators = [t.view_as(t).grad_fn.next_functions[0][0] for t in captured.params]
@@ -101,5 +113,5 @@ def test_replayed_graphs_give_the_eager_step_on_a_gpu():
         torch.testing.assert_close(loss, eager_loss, rtol=1e-4, atol=1e-5)
         for grad, param in zip(eager_grads, captured.params):
             torch.testing.assert_close(param.grad, grad, rtol=1e-3, atol=1e-5)
-    assert sorted(width for width, _ in captured.captures) == [32, 64]
+    assert [width for width, _ in captured.captures] == [64, 32]
     assert [type(node).__name__ for node in accumulators] == ["AccumulateGrad"] * 4  # embeddings, offsets, maps

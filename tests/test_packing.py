@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ppd.attention import packed_layout, prefill_layout
+from ppd.attention import packed_layout, packed_width, prefill_layout
 from ppd.training import (HostCuts, Objective, PackedCuts, PromptTokenCollator, PromptTokenModel, column_values,
                           heldout_split)
 
@@ -144,6 +144,10 @@ def test_held_out_split_keeps_conversations_whole():
     # A split is a view through an index mapping: its ids are read (as one array) in the split's own order.
     assert column_values(held, "id") == list(held["id"]) and column_values(dataset, "id") == list(dataset["id"])
     assert [held[g.start]["id"] for g in PackedCuts(held).groups] == list(dict.fromkeys(held["id"]))
+    # each item's packed width, read from the split's own rows (a captured step captures these widths' buckets)
+    for packed in (PackedCuts(held), PackedCuts(held, per_forward=1)):
+        items = [packed[i] for i in range(len(packed))]
+        assert packed.row_widths(3) == [packed_width([len(x["input_ids"])], [len(x["cut_lengths"])], 3) for x in items]
     assert heldout_split(dataset, 0.2, seed=3)[1]["id"] == held["id"]
     assert heldout_split(dataset, 0.2, seed=4)[1]["id"] != held["id"]
     # The conversations themselves (one row each, some missing) hold out the same ones as their cuts.

@@ -402,6 +402,7 @@ def test_a_captured_step_trains_what_the_eager_step_trains(tiny_setup, tmp_path)
     logs = [json.loads((tmp_path / name / "training_log.json").read_text()) for name in ("eager", "captured")]
     assert logs[0]["captured_step"] is None
     assert logs[1]["captured_step"] == {"micro_batches": 8, "width_multiple": 16, "captures": []}  # no CUDA here
+    assert 0 <= logs[1]["throughput"]["host_waited_s"] <= logs[1]["train_seconds"]
     losses = [[e["loss"] for e in log["log_history"] if "loss" in e] for log in logs]
     assert len(losses[0]) == 4
     assert losses[1] == pytest.approx(losses[0], rel=1e-4)
@@ -409,6 +410,32 @@ def test_a_captured_step_trains_what_the_eager_step_trains(tiny_setup, tmp_path)
     tokens = [load_file(str(tmp_path / name / "prompt_tokens.safetensors")) for name in ("eager", "captured")]
     for name, value in tokens[0].items():
         torch.testing.assert_close(tokens[1][name], value, rtol=1e-4, atol=1e-6)
+
+
+def test_two_processes_with_a_captured_step_train_what_one_eager_process_does(tiny_setup, tmp_path):
+    # The captured step replaces DDP's backward hooks with its own all-reduce: with the cuts counted across processes
+    # (the default) the gradients are summed; with each process dividing by its own cuts they are averaged. Two
+    # processes of 2 one-cut conversations train, by either way, what one eager process of 4 trains (SGD without
+    # clipping: the gradient's scale counts too).
+    flags = ["--max_steps", "3", "--optim", "sgd", "--learning_rate", "0.5", "--max_grad_norm", "0",
+             "--save_strategy", "no", "--eval_size", "0"]
+    assert run_tiny(tiny_setup, tmp_path / "one", *flags) == 0
+    expected = load_file(str(tmp_path / "one" / "prompt_tokens.safetensors"))
+    for average in ("true", "false"):
+        output = tmp_path / f"two-{average}"
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "train.train",
+               "--model", str(tiny_setup / "model"), "--dataset_path", str(tiny_setup / "data"),
+               "--output_dir", str(output), "--per_device_train_batch_size", "2", "--seed", "0",
+               "--dataloader_pin_memory", "false", "--capture_step", "--width_multiple", "16",
+               "--average_tokens_across_devices", average, *flags]
+        proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        log = json.loads((output / "training_log.json").read_text())
+        assert log["world_size"] == 2 and log["captured_step"]["micro_batches"] == 3
+        for name, value in load_file(str(output / "prompt_tokens.safetensors")).items():
+            torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-6, msg=f"{average}: {name}")
 
 
 @pytest.mark.parametrize("flags, named", [(["--gradient_checkpointing"], "--gradient_checkpointing"),

@@ -68,6 +68,7 @@ class LaggedChecks:
     def __init__(self):
         self.pending: list[tuple[str, int, torch.Tensor]] = []  # (kind, optimizer step, value on the device)
         self.loss_sum = 0.0  # the settled losses, summed
+        self.waited = 0.0  # seconds the host spent reading them: waiting for the device (~0: the host is the bound)
 
     def queue(self, kind: str, step: int, value: torch.Tensor) -> None:
         self.pending.append((kind, step, value.detach()))
@@ -76,7 +77,9 @@ class LaggedChecks:
         """Read all but the latest ``keep`` values; raise ``NonFiniteError`` at the first that is not finite."""
         ready, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep:]
         for kind, step, value in ready:
+            started = time.perf_counter()
             number = value.item()
+            self.waited += time.perf_counter() - started
             if kind == "loss":
                 if not math.isfinite(number):
                     raise NonFiniteError(f"step {step}: the training loss is {number}; stopped, nothing non-finite "
@@ -152,9 +155,13 @@ class PromptTokenTrainer(Trainer):
         which would, do not run). The loss returned is the one the eager step returns."""
         core = self.accelerator.unwrap_model(self.model)
         if self.captured is None:
-            per_row = max(len(group) for group in self.train_dataset.groups)
+            dataset = self.train_dataset
+            per_row = max(len(group) for group in dataset.groups)
             self.captured = CapturedTrainingStep(core, self.args.per_device_train_batch_size, per_row,
                                                  core.width_multiple)
+            config = self.prompt_tokens.config
+            self.captured.prepare(self.data_collator([dataset[0]]),
+                                  dataset.row_widths(config.num_prompt_tokens * config.num_ensemble))
         divisor = num_items_in_batch if num_items_in_batch is not None else inputs["cut_lengths"].numel()
         loss = self.captured.step(inputs, divisor)
         if self.args.world_size > 1:

@@ -4,6 +4,7 @@
 #   bash results/train/scaling/run.sh data      # self-distilled conversations (2 GPUs), 32 cuts each, forced-teacher targets
 #   bash results/train/scaling/run.sh speed     # examples/s: 1 process, then accelerate on 2 GPUs (eval.train_speed)
 #   bash results/train/scaling/run.sh quality   # one epoch on 1 GPU and on 2 (same and twice the global batch)
+#   SAMPLES=3000 EPOCHS=3 EVAL_SIZE=0.03 ... quality   # the shipped training's size (results/train/v7)
 #   RUNS="1:8::3e-3 2:8:1.4e-2:4.2e-3" bash results/train/scaling/run.sh quality   # chosen runs, with low-rank maps
 #   bash results/train/scaling/run.sh profile   # a step's wall and device time on one GPU, three attention variants
 #   EXTRA="--torch_compile" TAG=-compiled bash results/train/scaling/run.sh profile quality   # training flags
@@ -15,7 +16,7 @@ set -uo pipefail
 export PYTHONPATH=/root/ppd-site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 W=${WORK:-/root/work-scaling}; R=${OUT:-/tmp/out}/scaling
 mkdir -p "$W" "$R/logs"
-SAMPLES=${SAMPLES:-1500}; N=5; CUTS=32; STEPS=${STEPS:-200}
+SAMPLES=${SAMPLES:-1500}; N=5; CUTS=32; STEPS=${STEPS:-200}; EPOCHS=${EPOCHS:-1}; EVAL_SIZE=${EVAL_SIZE:-0.05}
 TRAIN="--trainer_type distillation --lr_scheduler_type cosine --num_prompt_tokens 3 --deep --dataloader_num_workers 2 ${EXTRA:-}"
 TAG=${TAG:-}
 TWO="accelerate launch --multi_gpu --num_processes 2"
@@ -45,11 +46,11 @@ for phase in "$@"; do
               # low-rank maps trained at that rate (the shipped recipe, results/train/v6).
       for run in ${RUNS:-1:8 2:4 2:8}; do
         IFS=: read -r gpus per lr maplr <<< "$run"
-        name=${gpus}gpu_b$per${lr:+-lr$lr}${maplr:+-maps$maplr}$TAG; out=$W/runs/e1-$name
+        name=${gpus}gpu_b$per${lr:+-lr$lr}${maplr:+-maps$maplr}$TAG; out=$W/runs/e$EPOCHS-$name
         flags="--learning_rate ${lr:-1e-2}${maplr:+ --map_rank 16 --map_learning_rate $maplr}"
         launch="env CUDA_VISIBLE_DEVICES=0 python"; [ $gpus = 2 ] && launch=$TWO  # one process: one GPU visible
         [ -f "$out/training_log.json" ] || $launch -m train.train --dataset_path "$W/sd-targets" --output_dir "$out" \
-          $TRAIN $flags --per_device_train_batch_size $per --num_train_epochs 1 --eval_size 0.05 \
+          $TRAIN $flags --per_device_train_batch_size $per --num_train_epochs $EPOCHS --eval_size $EVAL_SIZE \
           --per_device_eval_batch_size 16 --save_strategy no > "$R/logs/quality_$name.log" 2>&1
         cp "$out/training_log.json" "$R/training_log_$name.json" 2>/dev/null
       done ;;
@@ -74,6 +75,7 @@ if len(speed) == 2:
 for f in sorted(r.glob("training_log_*.json")):
     log = json.loads(f.read_text())
     final = {k: round(v, 4) for k, v in log["final_eval"].items() if k.startswith("eval_top1") or k == "eval_loss"}
-    print(f"{f.stem[13:]}, 1 epoch, {log['log_history'][-1].get('step')} steps: "
+    epochs = log["training_arguments"]["num_train_epochs"]
+    print(f"{f.stem[13:]}, {epochs:g} epochs, {log['log_history'][-1].get('step')} steps: "
           f"{log['throughput']['examples_per_s']:.1f} examples/s, held out {final}")
 PY
