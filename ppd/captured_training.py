@@ -16,9 +16,9 @@ nothing, so the loss and gradients are those of the unpadded batch (tested again
 Gradients are added into the tensors' ``.grad`` as a backward would, so the optimizer, clipping and gradient
 accumulation work as they do eagerly; with several processes the caller sums them across processes (the graph
 replaces DDP's backward hooks). :meth:`CapturedTrainingStep.prepare` captures every bucket a dataset needs before
-the first step, on every process alike; a bucket met later is captured at its first use. Without CUDA the same padded computation runs eagerly (what the tests on a CPU
-check). All graphs share one memory pool: they never run at once, and each replay's outputs are consumed before
-the next one is queued.
+the first step, on every process alike; a bucket met later is captured at its first use. Without CUDA the same
+padded computation runs eagerly (what the tests on a CPU check). All graphs share one memory pool: they never run
+at once, and each replay's outputs are consumed before the next one is queued.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from .attention import packed_width
 from .prefill import PrefillPlan, plan_prefill
 from .training import HostCuts, PromptTokenModel
 
@@ -64,7 +65,7 @@ class CapturedTrainingStep:
     # ------------------------------------------------------------------ host
     def bucket(self, width: int) -> int:
         """The captured width of a batch whose widest row needs ``width`` slots."""
-        return -(-width // self.width_multiple) * self.width_multiple
+        return packed_width([width], [0], 0, self.width_multiple)
 
     def prepare(self, template: dict, row_widths) -> list[int]:
         """Capture, before training, the graph of every bucket a batch of these rows can fall in (a batch's width
