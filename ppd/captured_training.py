@@ -23,6 +23,7 @@ at once, and each replay's outputs are consumed before the next one is queued.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 
@@ -61,6 +62,8 @@ class CapturedTrainingStep:
         self.steps = 0  # micro-batches run
         self._pool = None
         self._side: torch.cuda.Stream | None = None  # the stream every warm-up and capture runs on
+        self._timed: collections.deque = collections.deque()  # (start, end) events of replays not yet read
+        self._replay_seconds = 0.0  # device time of the replays read so far
 
     # ------------------------------------------------------------------ host
     def bucket(self, width: int) -> int:
@@ -143,7 +146,12 @@ class CapturedTrainingStep:
             graph, inputs, loss, grads = self._graph(static)
             for name, value in static.items():
                 inputs[name].copy_(value.pin_memory() if value.device.type == "cpu" else value, non_blocking=True)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
             graph.replay()
+            end.record()
+            self._timed.append((start, end))
+            self._read_timings(wait=False)
         # Taken before the next replay (of any graph: they share memory) overwrites them.
         for param, grad in zip(self.params, grads):
             if param.grad is None:
@@ -151,6 +159,18 @@ class CapturedTrainingStep:
             else:
                 param.grad.add_(grad)
         return loss.clone()
+
+    def replay_seconds(self) -> float:
+        """The device time of every replay so far (waits for the last ones): set beside the run's time, what the
+        graphs themselves cost, apart from the optimizer, the transfers and any wait for another process."""
+        self._read_timings(wait=True)
+        return self._replay_seconds
+
+    def _read_timings(self, wait: bool) -> None:
+        while self._timed and (wait or self._timed[0][1].query()):
+            start, end = self._timed.popleft()
+            end.synchronize()
+            self._replay_seconds += start.elapsed_time(end) / 1000
 
     def _graph(self, static: dict[str, torch.Tensor]):
         width = static["ids"].shape[1]

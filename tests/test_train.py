@@ -401,7 +401,8 @@ def test_a_captured_step_trains_what_the_eager_step_trains(tiny_setup, tmp_path)
     assert run_tiny(tiny_setup, tmp_path / "captured", *args, "--capture_step", "--width_multiple", "16") == 0
     logs = [json.loads((tmp_path / name / "training_log.json").read_text()) for name in ("eager", "captured")]
     assert logs[0]["captured_step"] is None
-    assert logs[1]["captured_step"] == {"micro_batches": 8, "width_multiple": 16, "captures": []}  # no CUDA here
+    assert logs[1]["captured_step"] == {"micro_batches": 8, "width_multiple": 16, "replay_seconds": 0.0,
+                                        "captures": []}  # no CUDA here
     assert 0 <= logs[1]["throughput"]["host_waited_s"] <= logs[1]["train_seconds"]
     losses = [[e["loss"] for e in log["log_history"] if "loss" in e] for log in logs]
     assert len(losses[0]) == 4

@@ -410,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
             "train_seconds": train_seconds, "compiled_base": compiled,
             "captured_step": None if trainer.captured is None else {
                 "micro_batches": trainer.captured.steps, "width_multiple": model.width_multiple,
+                "replay_seconds": round(trainer.captured.replay_seconds(), 3),  # this process's graphs, device time
                 "captures": [{"width": w, "seconds": round(t, 3)} for w, t in trainer.captured.captures]},
             # this call of train() (a resumed run counts the steps after the checkpoint)
             "throughput": {"examples": cuts_trained, "seconds": train_seconds,
