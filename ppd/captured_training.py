@@ -54,7 +54,8 @@ class CapturedTrainingStep:
         self.model, self.rows, self.cuts_per_row, self.width_multiple = model, rows, cuts_per_row, width_multiple
         config = model.prompt_tokens.config
         self.num_cuts = rows * cuts_per_row
-        self.num_slots = self.num_cuts * (1 + config.num_prompt_tokens * config.num_ensemble)
+        self.rows_per_cut = config.num_prompt_tokens * config.num_ensemble  # prompt rows of a cut's block
+        self.num_slots = self.num_cuts * (1 + self.rows_per_cut)
         self.params = list(model.prompt_tokens.tensors().values())
         self.device = self.params[0].device
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict, torch.Tensor, tuple]] = {}
@@ -79,12 +80,10 @@ class CapturedTrainingStep:
         widths = sorted({self.bucket(w) for w in row_widths}, reverse=True)
         if self.device.type != "cuda":
             return widths
-        config = self.model.prompt_tokens.config
-        rows_per_cut = config.num_prompt_tokens * config.num_ensemble
         for width in widths:
             if width in self.graphs:
                 continue
-            length = width - rows_per_cut  # one row of one cut filling the bucket
+            length = width - self.rows_per_cut  # one row of one cut filling the bucket
             batch = {name: template[name][:1] for name in TARGETS if template.get(name) is not None}
             batch["host"] = HostCuts([[0] * length], [[length]])
             self.graphs[width] = self._capture(self.static_batch(batch, 1))

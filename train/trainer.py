@@ -159,9 +159,7 @@ class PromptTokenTrainer(Trainer):
             per_row = max(len(group) for group in dataset.groups)
             self.captured = CapturedTrainingStep(core, self.args.per_device_train_batch_size, per_row,
                                                  core.width_multiple)
-            config = self.prompt_tokens.config
-            self.captured.prepare(self.data_collator([dataset[0]]),
-                                  dataset.row_widths(config.num_prompt_tokens * config.num_ensemble))
+            self.captured.prepare(self.data_collator([dataset[0]]), dataset.row_widths(self.captured.rows_per_cut))
         divisor = num_items_in_batch if num_items_in_batch is not None else inputs["cut_lengths"].numel()
         loss = self.captured.step(inputs, divisor)
         if self.args.world_size > 1:
