@@ -61,6 +61,7 @@ class CapturedTrainingStep:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict, torch.Tensor, tuple]] = {}
         self.captures: list[tuple[int, float]] = []  # (width, seconds of warm-up and capture)
         self.steps = 0  # micro-batches run
+        self.replays: collections.Counter = collections.Counter()  # micro-batches run at each width
         self._pool = None
         self._side: torch.cuda.Stream | None = None  # the stream every warm-up and capture runs on
         self._timed: collections.deque = collections.deque()  # (start, end) events of replays not yet read
@@ -139,6 +140,7 @@ class CapturedTrainingStep:
         """Add this batch's gradients to ``.grad`` (as ``backward`` would) and return its loss (a new tensor)."""
         static = self.static_batch(batch, divisor)
         self.steps += 1
+        self.replays[static["ids"].shape[1]] += 1
         if self.device.type != "cuda":
             loss, grads = self.loss_and_grads({name: value.to(self.device) for name, value in static.items()})
         else:

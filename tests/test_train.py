@@ -380,17 +380,20 @@ def comparable(log: dict) -> dict:
     return out
 
 
-def test_a_resumed_run_writes_the_log_of_an_uninterrupted_one(tiny_setup, tmp_path):
-    args = ["--max_steps", "6", "--save_steps", "3"]
+@pytest.mark.parametrize("args", [["--max_steps", "6", "--save_steps", "3"],
+                                  # 8 steps an epoch: resumed in the second, whose order the sampler draws anew
+                                  ["--max_steps", "12", "--save_steps", "10", "--group_by_width"]])
+def test_a_resumed_run_writes_the_log_of_an_uninterrupted_one(tiny_setup, tmp_path, args):
     assert run_tiny(tiny_setup, tmp_path / "full", *args) == 0
     interrupted = tmp_path / "resumed"
     interrupted.mkdir()
-    shutil.copytree(tmp_path / "full" / "checkpoint-3", interrupted / "checkpoint-3")  # stopped after it
+    saved = f"checkpoint-{args[3]}"
+    shutil.copytree(tmp_path / "full" / saved, interrupted / saved)  # stopped after it
     assert run_tiny(tiny_setup, interrupted, *args, "--resume_from_checkpoint", "latest") == 0
     full = json.loads((tmp_path / "full" / "training_log.json").read_text())
     resumed = json.loads((interrupted / "training_log.json").read_text())
     assert "initial_loss" in resumed["initial_eval"]
-    assert [e["step"] for e in resumed["log_history"] if "loss" in e] == [1, 2, 3, 4, 5, 6]
+    assert [e["step"] for e in resumed["log_history"] if "loss" in e] == list(range(1, int(args[1]) + 1))
     assert comparable(resumed) == comparable(full)
 
 
@@ -401,8 +404,8 @@ def test_a_captured_step_trains_what_the_eager_step_trains(tiny_setup, tmp_path)
     assert run_tiny(tiny_setup, tmp_path / "captured", *args, "--capture_step", "--width_multiple", "16") == 0
     logs = [json.loads((tmp_path / name / "training_log.json").read_text()) for name in ("eager", "captured")]
     assert logs[0]["captured_step"] is None
-    assert logs[1]["captured_step"] == {"micro_batches": 8, "width_multiple": 16, "replay_seconds": 0.0,
-                                        "captures": []}  # no CUDA here
+    assert logs[1]["captured_step"] == {"micro_batches": 8, "width_multiple": 16, "widths": [16],
+                                        "replay_seconds": [0.0], "replays": [[8]], "captures": []}  # no CUDA here
     assert 0 <= logs[1]["throughput"]["host_waited_s"] <= logs[1]["train_seconds"]
     losses = [[e["loss"] for e in log["log_history"] if "loss" in e] for log in logs]
     assert len(losses[0]) == 4
@@ -417,24 +420,25 @@ def test_two_processes_with_a_captured_step_train_what_one_eager_process_does(ti
     # The captured step replaces DDP's backward hooks with its own all-reduce: with the cuts counted across processes
     # (the default) the gradients are summed; with each process dividing by its own cuts they are averaged. Two
     # processes of 2 one-cut conversations train, by either way, what one eager process of 4 trains (SGD without
-    # clipping: the gradient's scale counts too).
+    # clipping: the gradient's scale counts too); and, with steps of like width, the steps one process of 4 trains.
     flags = ["--max_steps", "3", "--optim", "sgd", "--learning_rate", "0.5", "--max_grad_norm", "0",
              "--save_strategy", "no", "--eval_size", "0"]
-    assert run_tiny(tiny_setup, tmp_path / "one", *flags) == 0
-    expected = load_file(str(tmp_path / "one" / "prompt_tokens.safetensors"))
-    for average in ("true", "false"):
+    for average, grouping in (("true", []), ("false", ["--group_by_width"])):
+        assert run_tiny(tiny_setup, tmp_path / f"one-{average}", *flags, *grouping) == 0
+        expected = load_file(str(tmp_path / f"one-{average}" / "prompt_tokens.safetensors"))
         output = tmp_path / f"two-{average}"
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "train.train",
                "--model", str(tiny_setup / "model"), "--dataset_path", str(tiny_setup / "data"),
                "--output_dir", str(output), "--per_device_train_batch_size", "2", "--seed", "0",
                "--dataloader_pin_memory", "false", "--capture_step", "--width_multiple", "16",
-               "--average_tokens_across_devices", average, *flags]
+               "--average_tokens_across_devices", average, *flags, *grouping]
         proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
                               text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         log = json.loads((output / "training_log.json").read_text())
         assert log["world_size"] == 2 and log["captured_step"]["micro_batches"] == 3
+        assert [sum(row) for row in log["captured_step"]["replays"]] == [3, 3]  # each process's micro-batches
         for name, value in load_file(str(output / "prompt_tokens.safetensors")).items():
             torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-6, msg=f"{average}: {name}")
 

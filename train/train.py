@@ -98,6 +98,9 @@ class DataArguments:
                 "batch (every batch padded to the bucket's shapes: --per_device_train_batch_size rows, the width to "
                 "a multiple of --width_multiple); without CUDA the padded step runs eagerly. Not with "
                 "--gradient_checkpointing, --fp16/--bf16, DeepSpeed, FSDP or a schedule-free optimizer"})
+    group_by_width: bool = field(default=False, metadata={
+        "help": "fill each optimizer step with conversations of like width (sorted within pools of 50 steps, the "
+                "steps shuffled): less padding, and with several GPUs none waits for another's wider batch"})
 
     def __post_init__(self):
         if not self.dataset_path:
@@ -366,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
         data_collator=PromptTokenCollator(num_prompt_tokens=pt_args.num_prompt_tokens),
         map_learning_rate=pt_args.map_learning_rate, capture_step=data_args.capture_step,
+        group_by_width=data_args.group_by_width,
     )
     resume = training_args.resume_from_checkpoint
     if resume in ("latest", "true", "True"):
@@ -385,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     train_seconds = time.perf_counter() - started
     cuts_trained = trainer.total_cuts_trained()
+    captured = trainer.captured_summary()
     final, ranks = {}, None
     if eval_dataset is not None:
         final = trainer.evaluate()
@@ -408,10 +413,7 @@ def main(argv: list[str] | None = None) -> int:
                         "cuts_per_forward": data_args.cuts_per_forward},
             "training_arguments": training_args.to_dict(), "world_size": training_args.world_size,
             "train_seconds": train_seconds, "compiled_base": compiled,
-            "captured_step": None if trainer.captured is None else {
-                "micro_batches": trainer.captured.steps, "width_multiple": model.width_multiple,
-                "replay_seconds": round(trainer.captured.replay_seconds(), 3),  # this process's graphs, device time
-                "captures": [{"width": w, "seconds": round(t, 3)} for w, t in trainer.captured.captures]},
+            "captured_step": captured,  # every process's replays: their device time and widths
             # this call of train() (a resumed run counts the steps after the checkpoint)
             "throughput": {"examples": cuts_trained, "seconds": train_seconds,
                            "examples_per_s": cuts_trained / train_seconds if train_seconds > 0 else None,

@@ -36,6 +36,7 @@ from ppd.prompt_tokens import PromptTokens, count_non_finite
 from ppd.files import atomic_write_json
 from ppd.training import HeldOutTally, tally_held_out
 from ppd.uploads import upload
+from ppd.width_sampler import WidthGroupedSampler
 
 logger = logging.getLogger("train")
 
@@ -93,8 +94,10 @@ class LaggedChecks:
 
 
 class PromptTokenTrainer(Trainer):
-    def __init__(self, *args, map_learning_rate: float | None = None, capture_step: bool = False, **kwargs):
+    def __init__(self, *args, map_learning_rate: float | None = None, capture_step: bool = False,
+                 group_by_width: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
+        self.group_by_width = group_by_width  # each optimizer step's conversations of like width (WidthGroupedSampler)
         self.map_learning_rate = map_learning_rate  # the low-rank maps' own learning rate (None: the others')
         # --capture_step: each micro-batch's forward and backward replayed from a CUDA graph (made at the first step)
         self.capture_step = capture_step
@@ -126,6 +129,17 @@ class PromptTokenTrainer(Trainer):
         optimizer.add_param_group({**{k: v for k, v in template.items() if k != "params"}, "params": maps,
                                    "lr": self.map_learning_rate})
         return optimizer
+
+    def _get_train_sampler(self, *args, **kwargs):
+        """With ``group_by_width``, a :class:`WidthGroupedSampler` over the packed rows' widths, its steps as large
+        as an optimizer step over every process; otherwise Trainer's own."""
+        if not self.group_by_width:
+            return super()._get_train_sampler(*args, **kwargs)
+        config, args = self.prompt_tokens.config, self.args
+        step_size = args.per_device_train_batch_size * args.world_size * args.gradient_accumulation_steps
+        seed = args.data_seed if args.data_seed is not None else args.seed
+        return WidthGroupedSampler(self.train_dataset.row_widths(config.num_prompt_tokens * config.num_ensemble),
+                                   step_size, seed)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """The micro-batches of one optimizer step, and the number of cuts in them, summed over processes when
@@ -174,6 +188,20 @@ class PromptTokenTrainer(Trainer):
             if shared:
                 loss = loss * self.args.world_size  # as compute_loss scales it (each process's share of the sum)
         return loss
+
+    def captured_summary(self) -> dict | None:
+        """The captured step's record, with every process's replays (all of them call this; None when no step
+        was captured): ``replay_seconds`` [process] the graphs' device time and ``replays`` [process][width] the
+        micro-batches at each captured width (the widths of ``captures``, alike on every process)."""
+        if self.captured is None:
+            return None
+        widths = sorted(self.captured.graphs) or sorted(self.captured.replays)
+        mine = [self.captured.replay_seconds()] + [self.captured.replays[w] for w in widths]
+        every = self.accelerator.gather(torch.tensor([mine], dtype=torch.float64, device=self.args.device)).tolist()
+        return {"micro_batches": self.captured.steps, "width_multiple": self.captured.width_multiple,
+                "widths": widths, "replay_seconds": [round(row[0], 3) for row in every],
+                "replays": [[int(n) for n in row[1:]] for row in every],
+                "captures": [{"width": w, "seconds": round(t, 3)} for w, t in self.captured.captures]}
 
     def settle_checks(self) -> None:
         """Read every queued check (before a save, an evaluation or the run's summary)."""

@@ -7,6 +7,7 @@
 #   SAMPLES=3000 EPOCHS=3 EVAL_SIZE=0.03 ... quality   # the shipped training's size (results/train/v7)
 #   RUNS="1:8::3e-3 2:8:1.4e-2:4.2e-3" bash results/train/scaling/run.sh quality   # chosen runs, with low-rank maps
 #   bash results/train/scaling/run.sh profile   # a step's wall and device time on one GPU, three attention variants
+#   EXTRA="--capture_step --group_by_width" TAG=-captured-grouped RUNS="1:8::3e-3 2:4::3e-3" bash ... quality
 #   EXTRA="--torch_compile" TAG=-compiled bash results/train/scaling/run.sh profile quality   # training flags
 #       added to every run, TAG added to the names of the results; VARIANTS="any:128" the profile's variants
 # Needs a 2-GPU machine (nvidia-h100-x2) and the staged packages (../shared/gpu/README.md); SOURCE=FILE takes the
@@ -76,6 +77,9 @@ for f in sorted(r.glob("training_log_*.json")):
     log = json.loads(f.read_text())
     final = {k: round(v, 4) for k, v in log["final_eval"].items() if k.startswith("eval_top1") or k == "eval_loss"}
     epochs = log["training_arguments"]["num_train_epochs"]
+    captured = log.get("captured_step") or {}
+    replays = f", replays {captured['replay_seconds']} s" if isinstance(captured.get("replay_seconds"), list) else ""
     print(f"{f.stem[13:]}, {epochs:g} epochs, {log['log_history'][-1].get('step')} steps: "
-          f"{log['throughput']['examples_per_s']:.1f} examples/s, held out {final}")
+          f"{log['throughput']['examples_per_s']:.1f} examples/s in {log['train_seconds']:.1f} s (host waited "
+          f"{log['throughput'].get('host_waited_s')} s{replays}), held out {final}")
 PY
