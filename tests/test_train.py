@@ -407,6 +407,8 @@ def test_a_captured_step_trains_what_the_eager_step_trains(tiny_setup, tmp_path)
     assert logs[1]["captured_step"] == {"micro_batches": 8, "width_multiple": 16, "widths": [16],
                                         "replay_seconds": [0.0], "replays": [[8]], "captures": []}  # no CUDA here
     assert 0 <= logs[1]["throughput"]["host_waited_s"] <= logs[1]["train_seconds"]
+    steps = logs[1]["throughput"]["step_seconds"]  # between the 4 optimizer steps
+    assert steps["steps"] == 3 and 0 < steps["median"] <= steps["p90"] <= logs[1]["train_seconds"]
     losses = [[e["loss"] for e in log["log_history"] if "loss" in e] for log in logs]
     assert len(losses[0]) == 4
     assert losses[1] == pytest.approx(losses[0], rel=1e-4)

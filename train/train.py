@@ -418,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
             "throughput": {"examples": cuts_trained, "seconds": train_seconds,
                            "examples_per_s": cuts_trained / train_seconds if train_seconds > 0 else None,
                            # this process's time blocked reading values back: near 0, the host bounds the speed
-                           "host_waited_s": round(trainer.checks.waited, 3)},
+                           "host_waited_s": round(trainer.checks.waited, 3),
+                           "step_seconds": trainer.step_seconds()},
             "train_metrics": result.metrics, "initial_eval": trainer.initial_eval, "final_eval": final,
             "rank_accuracy": ranks, "log_history": trainer.state.log_history,
             "hardware": torch.cuda.get_device_name(training_args.device) if training_args.device.type == "cuda"

@@ -109,6 +109,7 @@ class PromptTokenTrainer(Trainer):
         self.loss_sum: float | None = 0.0
         self.checks = LaggedChecks()  # this call's losses and token checks, read a step late
         self.cuts_trained = 0  # examples (cuts) this process trained on in this call of train()
+        self.step_ends: list[float] = []  # host clock at the end of each optimizer step of this call of train()
         self.last_rank_accuracy: list[list[float]] | None = None  # [N][K] of the latest evaluate()
         self.add_callback(_GuardAndRecord(self))
 
@@ -202,6 +203,16 @@ class PromptTokenTrainer(Trainer):
                 "widths": widths, "replay_seconds": [round(row[0], 3) for row in every],
                 "replays": [[int(n) for n in row[1:]] for row in every],
                 "captures": [{"width": w, "seconds": round(t, 3)} for w, t in self.captured.captures]}
+
+    def step_seconds(self) -> dict | None:
+        """The median and 90th percentile of the time between consecutive optimizer steps: once the host runs
+        ahead, the device's time per step, apart from what a run pays once (captures, compilation, an epoch's
+        loader start), which sits in the tail. None before two steps."""
+        gaps = sorted(b - a for a, b in zip(self.step_ends, self.step_ends[1:]))
+        if not gaps:
+            return None
+        return {"median": round(gaps[len(gaps) // 2], 5), "p90": round(gaps[int(0.9 * (len(gaps) - 1))], 5),
+                "steps": len(gaps)}
 
     def settle_checks(self) -> None:
         """Read every queued check (before a save, an evaluation or the run's summary)."""
@@ -303,6 +314,7 @@ class _GuardAndRecord(TrainerCallback):
         self.trainer = trainer
 
     def on_step_end(self, args, state, control, **kwargs):
+        self.trainer.step_ends.append(time.perf_counter())
         # This step's optimizer update is queued: count its non-finite values on the device, read a step later
         # (every save reads it first).
         self.trainer.checks.queue("tokens", state.global_step, count_non_finite(self.trainer.prompt_tokens, read=False))

@@ -18,7 +18,7 @@ export PYTHONPATH=/root/ppd-site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENI
 W=${WORK:-/root/work-scaling}; R=${OUT:-/tmp/out}/scaling
 mkdir -p "$W" "$R/logs"
 SAMPLES=${SAMPLES:-1500}; N=5; CUTS=32; STEPS=${STEPS:-200}; EPOCHS=${EPOCHS:-1}; EVAL_SIZE=${EVAL_SIZE:-0.05}
-TRAIN="--trainer_type distillation --lr_scheduler_type cosine --num_prompt_tokens 3 --deep --dataloader_num_workers 2 ${EXTRA:-}"
+TRAIN="--trainer_type distillation --lr_scheduler_type cosine --num_prompt_tokens 3 --deep --dataloader_num_workers 2 --dataloader_persistent_workers ${EXTRA:-}"
 TAG=${TAG:-}
 TWO="accelerate launch --multi_gpu --num_processes 2"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$R/logs/gpu.txt"
@@ -81,5 +81,6 @@ for f in sorted(r.glob("training_log_*.json")):
     replays = f", replays {captured['replay_seconds']} s" if isinstance(captured.get("replay_seconds"), list) else ""
     print(f"{f.stem[13:]}, {epochs:g} epochs, {log['log_history'][-1].get('step')} steps: "
           f"{log['throughput']['examples_per_s']:.1f} examples/s in {log['train_seconds']:.1f} s (host waited "
-          f"{log['throughput'].get('host_waited_s')} s{replays}), held out {final}")
+          f"{log['throughput'].get('host_waited_s')} s{replays}; steps {log['throughput'].get('step_seconds')}), "
+          f"held out {final}")
 PY
