@@ -66,6 +66,8 @@ class CapturedTrainingStep:
         self._side: torch.cuda.Stream | None = None  # the stream every warm-up and capture runs on
         self._timed: collections.deque = collections.deque()  # (start, end) events of replays not yet read
         self._replay_seconds = 0.0  # device time of the replays read so far
+        self._last_end: torch.cuda.Event | None = None  # the end of the latest replay read
+        self._gaps: list[float] = []  # device seconds from each replay's end to the next one's start
 
     # ------------------------------------------------------------------ host
     def bucket(self, width: int) -> int:
@@ -167,11 +169,21 @@ class CapturedTrainingStep:
         self._read_timings(wait=True)
         return self._replay_seconds
 
+    def gap_seconds(self) -> list[float]:
+        """The device time between consecutive replays (waits for the last ones): what runs between two graphs
+        (the transfers, the optimizer, an all-reduce and the wait for another process), or nothing, where the
+        device waited for the host."""
+        self._read_timings(wait=True)
+        return list(self._gaps)
+
     def _read_timings(self, wait: bool) -> None:
         while self._timed and (wait or self._timed[0][1].query()):
             start, end = self._timed.popleft()
             end.synchronize()
             self._replay_seconds += start.elapsed_time(end) / 1000
+            if self._last_end is not None:
+                self._gaps.append(self._last_end.elapsed_time(start) / 1000)
+            self._last_end = end
 
     def _graph(self, static: dict[str, torch.Tensor]):
         width = static["ids"].shape[1]

@@ -115,4 +115,6 @@ def test_replayed_graphs_give_the_eager_step_on_a_gpu():
             torch.testing.assert_close(param.grad, grad, rtol=1e-3, atol=1e-5)
     assert [width for width, _ in captured.captures] == [64, 32]
     assert 0 < captured.replay_seconds() < 60  # the device time of the 6 replays
+    gaps = captured.gap_seconds()  # between them: the eager steps run there
+    assert len(gaps) == 5 and all(0 < gap < 60 for gap in gaps)
     assert [type(node).__name__ for node in accumulators] == ["AccumulateGrad"] * 4  # embeddings, offsets, maps

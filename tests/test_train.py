@@ -405,7 +405,8 @@ def test_a_captured_step_trains_what_the_eager_step_trains(tiny_setup, tmp_path)
     logs = [json.loads((tmp_path / name / "training_log.json").read_text()) for name in ("eager", "captured")]
     assert logs[0]["captured_step"] is None
     assert logs[1]["captured_step"] == {"micro_batches": 8, "width_multiple": 16, "widths": [16],
-                                        "replay_seconds": [0.0], "replays": [[8]], "captures": []}  # no CUDA here
+                                        "replay_seconds": [0.0], "gap_seconds": [0.0], "median_gap": [0.0],
+                                        "replays": [[8]], "captures": []}  # no CUDA here
     assert 0 <= logs[1]["throughput"]["host_waited_s"] <= logs[1]["train_seconds"]
     steps = logs[1]["throughput"]["step_seconds"]  # between the 4 optimizer steps
     assert steps["steps"] == 3 and 0 < steps["median"] <= steps["p90"] <= logs[1]["train_seconds"]

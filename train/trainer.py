@@ -192,16 +192,22 @@ class PromptTokenTrainer(Trainer):
 
     def captured_summary(self) -> dict | None:
         """The captured step's record, with every process's replays (all of them call this; None when no step
-        was captured): ``replay_seconds`` [process] the graphs' device time and ``replays`` [process][width] the
-        micro-batches at each captured width (the widths of ``captures``, alike on every process)."""
+        was captured): ``replay_seconds`` [process] the graphs' device time, ``gap_seconds`` and ``median_gap``
+        [process] the device time between consecutive replays (in all, and the median gap) and ``replays``
+        [process][width] the micro-batches at each captured width (the widths of ``captures``, alike on every
+        process)."""
         if self.captured is None:
             return None
         widths = sorted(self.captured.graphs) or sorted(self.captured.replays)
-        mine = [self.captured.replay_seconds()] + [self.captured.replays[w] for w in widths]
+        gaps = sorted(self.captured.gap_seconds()) or [0.0]
+        mine = [self.captured.replay_seconds(), sum(gaps), gaps[len(gaps) // 2]]
+        mine += [self.captured.replays[w] for w in widths]
         every = self.accelerator.gather(torch.tensor([mine], dtype=torch.float64, device=self.args.device)).tolist()
         return {"micro_batches": self.captured.steps, "width_multiple": self.captured.width_multiple,
                 "widths": widths, "replay_seconds": [round(row[0], 3) for row in every],
-                "replays": [[int(n) for n in row[1:]] for row in every],
+                # device time between consecutive replays: in all, and the median gap
+                "gap_seconds": [round(row[1], 3) for row in every], "median_gap": [round(row[2], 6) for row in every],
+                "replays": [[int(n) for n in row[3:]] for row in every],
                 "captures": [{"width": w, "seconds": round(t, 3)} for w, t in self.captured.captures]}
 
     def step_seconds(self) -> dict | None:
