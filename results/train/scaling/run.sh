@@ -78,7 +78,8 @@ for f in sorted(r.glob("training_log_*.json")):
     final = {k: round(v, 4) for k, v in log["final_eval"].items() if k.startswith("eval_top1") or k == "eval_loss"}
     epochs = log["training_arguments"]["num_train_epochs"]
     captured = log.get("captured_step") or {}
-    replays = f", replays {captured['replay_seconds']} s" if isinstance(captured.get("replay_seconds"), list) else ""
+    replays = (f", replays {captured['replay_seconds']} s, between them {captured.get('gap_seconds')} s"
+               if isinstance(captured.get("replay_seconds"), list) else "")
     print(f"{f.stem[13:]}, {epochs:g} epochs, {log['log_history'][-1].get('step')} steps: "
           f"{log['throughput']['examples_per_s']:.1f} examples/s in {log['train_seconds']:.1f} s (host waited "
           f"{log['throughput'].get('host_waited_s')} s{replays}; steps {log['throughput'].get('step_seconds')}), "
