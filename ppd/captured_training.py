@@ -62,6 +62,7 @@ class CapturedTrainingStep:
         self.captures: list[tuple[int, float]] = []  # (width, seconds of warm-up and capture)
         self.steps = 0  # micro-batches run
         self.replays: collections.Counter = collections.Counter()  # micro-batches run at each width
+        self.buckets: list[int] = []  # the widths prepare() named, widest first (alike on every process)
         self._pool = None
         self._side: torch.cuda.Stream | None = None  # the stream every warm-up and capture runs on
         self._timed: collections.deque = collections.deque()  # (start, end) events of replays not yet read
@@ -80,7 +81,7 @@ class CapturedTrainingStep:
         same buckets in the same order at its first step, so none waits at an all-reduce while another captures
         later on. ``template``: a collated batch of the dataset, whose target columns give the buffers' shapes.
         Nothing is captured without CUDA."""
-        widths = sorted({self.bucket(w) for w in row_widths}, reverse=True)
+        widths = self.buckets = sorted({self.bucket(w) for w in row_widths}, reverse=True)
         if self.device.type != "cuda":
             return widths
         for width in widths:

@@ -194,11 +194,11 @@ class PromptTokenTrainer(Trainer):
         """The captured step's record, with every process's replays (all of them call this; None when no step
         was captured): ``replay_seconds`` [process] the graphs' device time, ``gap_seconds`` and ``median_gap``
         [process] the device time between consecutive replays (in all, and the median gap) and ``replays``
-        [process][width] the micro-batches at each captured width (the widths of ``captures``, alike on every
+        [process][width] the micro-batches at each width (``widths``: those the dataset's rows need, alike on every
         process)."""
         if self.captured is None:
             return None
-        widths = sorted(self.captured.graphs) or sorted(self.captured.replays)
+        widths = sorted(set(self.captured.buckets) | set(self.captured.replays))  # (the buckets: alike everywhere)
         gaps = sorted(self.captured.gap_seconds()) or [0.0]
         mine = [self.captured.replay_seconds(), sum(gaps), gaps[len(gaps) // 2]]
         mine += [self.captured.replays[w] for w in widths]
