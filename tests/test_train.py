@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import datasets
@@ -19,7 +20,7 @@ from ppd import Decoder, DecodeConfig, PromptTokens, eos_ids_of
 from ppd.chat import chat_input_ids
 from ppd.dataset_info import PPDDatasetInfo
 from ppd.training import PromptTokenModel
-from train.trainer import NonFiniteError, PromptTokenTrainer
+from train.trainer import LaggedChecks, NonFiniteError, PromptTokenTrainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -395,6 +396,29 @@ def test_a_resumed_run_writes_the_log_of_an_uninterrupted_one(tiny_setup, tmp_pa
     assert "initial_loss" in resumed["initial_eval"]
     assert [e["step"] for e in resumed["log_history"] if "loss" in e] == list(range(1, int(args[1]) + 1))
     assert comparable(resumed) == comparable(full)
+
+
+def test_lagged_checks_read_all_but_the_latest_and_stop_at_a_non_finite_loss():
+    checks = LaggedChecks()
+    for step, loss in enumerate([1.0, 2.0, float("nan")], start=1):
+        checks.queue("loss", step, torch.tensor(loss))
+        if step < 3:
+            checks.settle(None, keep=1)  # (the prompt tokens are read only for a count of non-finite values)
+    assert checks.loss_sum == 1.0 and len(checks.pending) == 2
+    with pytest.raises(NonFiniteError, match="step 3: the training loss is nan"):
+        checks.settle(None)
+    assert checks.loss_sum == 3.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_lagged_read_waits_for_its_value_not_for_the_work_queued_after_it():
+    checks = LaggedChecks()
+    checks.queue("loss", 1, torch.ones((), device="cuda") * 2)
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of the device's clock queued after the value, as the next step's replay
+    started = time.perf_counter()
+    checks.settle(None)
+    assert time.perf_counter() - started < 0.5 and checks.loss_sum == 2.0
+    torch.cuda.synchronize()
 
 
 def test_a_captured_step_trains_what_the_eager_step_trains(tiny_setup, tmp_path):
