@@ -14,8 +14,8 @@ runs the model and the loss and differentiates it, all from those buffers. Weigh
 nothing, so the loss and gradients are those of the unpadded batch (tested against the eager step).
 
 Gradients are added into the tensors' ``.grad`` as a backward would, so the optimizer, clipping and gradient
-accumulation work as they do eagerly; with several processes the caller sums them across processes (the graph
-replaces DDP's backward hooks). :meth:`CapturedTrainingStep.prepare` captures every bucket a dataset needs before
+accumulation work as they do eagerly; every ``.grad`` is a slice of one buffer (:meth:`grad_buffer`), which with
+several processes the caller sums across them in one all-reduce (the graph replaces DDP's backward hooks). :meth:`CapturedTrainingStep.prepare` captures every bucket a dataset needs before
 the first step, on every process alike; a bucket met later is captured at its first use. Without CUDA the same
 padded computation runs eagerly (what the tests on a CPU check). All graphs share one memory pool: they never run
 at once, and each replay's outputs are consumed before the next one is queued.
@@ -58,6 +58,8 @@ class CapturedTrainingStep:
         self.num_slots = self.num_cuts * (1 + self.rows_per_cut)
         self.params = list(model.prompt_tokens.tensors().values())
         self.device = self.params[0].device
+        # One buffer whose slices are every tensor's ``.grad`` (one all-reduce sums them all); made at the first step.
+        self._grad_buffer: torch.Tensor | None = None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict, torch.Tensor, tuple]] = {}
         self.captures: list[tuple[int, float]] = []  # (width, seconds of warm-up and capture)
         self.steps = 0  # micro-batches run
@@ -157,12 +159,31 @@ class CapturedTrainingStep:
             self._timed.append((start, end))
             self._read_timings(wait=False)
         # Taken before the next replay (of any graph: they share memory) overwrites them.
-        for param, grad in zip(self.params, grads):
+        if self._grad_buffer is None and len({p.dtype for p in self.params}) == 1:
+            self._grad_buffer = torch.empty(sum(p.numel() for p in self.params), dtype=self.params[0].dtype,
+                                            device=self.device)
+        for param, grad, view in zip(self.params, grads, self._grad_views()):
             if param.grad is None:
-                param.grad = grad.clone()
+                param.grad = grad.clone() if view is None else view.copy_(grad)
             else:
                 param.grad.add_(grad)
         return loss.clone()
+
+    def _grad_views(self) -> list[torch.Tensor | None]:
+        """Each trained tensor's slice of the gradient buffer, shaped as the tensor (None without the buffer)."""
+        if self._grad_buffer is None:
+            return [None] * len(self.params)
+        sizes = [p.numel() for p in self.params]
+        return [part.view_as(p) for part, p in zip(self._grad_buffer.split(sizes), self.params)]
+
+    def grad_buffer(self) -> torch.Tensor | None:
+        """The one buffer that holds every trained tensor's ``.grad``, or None where some ``.grad`` lies elsewhere
+        (set by other code, or tensors of several dtypes): summing it across processes sums every gradient."""
+        views = self._grad_views()
+        if self._grad_buffer is None or any(p.grad is None or p.grad.data_ptr() != v.data_ptr()
+                                            for p, v in zip(self.params, views)):
+            return None
+        return self._grad_buffer
 
     def replay_seconds(self) -> float:
         """The device time of every replay so far (waits for the last ones): set beside the run's time, what the

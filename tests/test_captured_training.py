@@ -63,6 +63,11 @@ def test_padded_step_gives_the_eager_losses_and_gradients(arch, window, v, objec
         captured.step(batch, cuts)
         for grad, param in zip(eager_grads, captured.params):
             torch.testing.assert_close(param.grad, 2 * grad, rtol=1e-4, atol=1e-6)
+        # every .grad is a slice of one buffer (what one all-reduce sums)
+        torch.testing.assert_close(captured.grad_buffer(), torch.cat([2 * g.reshape(-1) for g in eager_grads]),
+                                   rtol=1e-4, atol=1e-6)
+    captured.params[0].grad = captured.params[0].grad.clone()  # a .grad set elsewhere: no single buffer to sum
+    assert captured.grad_buffer() is None
 
 
 def test_a_batch_larger_than_the_step_is_refused():

@@ -196,10 +196,11 @@ class PromptTokenTrainer(Trainer):
             # the gradients is the step's. Without that count each divides by its own cuts, and DDP would average.
             shared = self.args.average_tokens_across_devices
             if self.accelerator.sync_gradients:
-                for param in self.captured.params:
-                    torch.distributed.all_reduce(param.grad)
+                buffer = self.captured.grad_buffer()  # every .grad in one tensor: one all-reduce
+                for grad in [buffer] if buffer is not None else [p.grad for p in self.captured.params]:
+                    torch.distributed.all_reduce(grad)
                     if not shared:
-                        param.grad.div_(self.args.world_size)
+                        grad.div_(self.args.world_size)
             if shared:
                 loss = loss * self.args.world_size  # as compute_loss scales it (each process's share of the sum)
         return loss
