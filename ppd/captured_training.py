@@ -15,10 +15,11 @@ nothing, so the loss and gradients are those of the unpadded batch (tested again
 
 Gradients are added into the tensors' ``.grad`` as a backward would, so the optimizer, clipping and gradient
 accumulation work as they do eagerly; every ``.grad`` is a slice of one buffer (:meth:`grad_buffer`), which with
-several processes the caller sums across them in one all-reduce (the graph replaces DDP's backward hooks). :meth:`CapturedTrainingStep.prepare` captures every bucket a dataset needs before
-the first step, on every process alike; a bucket met later is captured at its first use. Without CUDA the same
-padded computation runs eagerly (what the tests on a CPU check). All graphs share one memory pool: they never run
-at once, and each replay's outputs are consumed before the next one is queued.
+several processes the caller sums across them in one all-reduce (the graph replaces DDP's backward hooks).
+:meth:`CapturedTrainingStep.prepare` captures every bucket a dataset needs before the first step, on every process
+alike; a bucket met later is captured at its first use. Without CUDA the same padded computation runs eagerly (what
+the tests on a CPU check). All graphs share one memory pool: they never run at once, and each replay's outputs are
+consumed before the next one is queued.
 """
 
 from __future__ import annotations
