@@ -134,7 +134,7 @@ def profile_batch_size(model, dataset, collator, optimizer, device, size: int, a
     config = model.prompt_tokens.config
     slots = sum(len(b["lengths"]) * packed_width(b["lengths"].tolist(),
                                                  torch.bincount(b["cut_rows"], minlength=len(b["lengths"])).tolist(),
-                                                 config.num_prompt_tokens * config.num_ensemble, model.width_multiple)
+                                                 config.num_rows, model.width_multiple)
                 for b in timed) / args.steps
     return {"batch_size": size, "cuts_per_step": cuts, "padded_tokens_per_step": tokens,
             "forward_slots_per_step": slots, "data_ms_per_batch": data_ms,

@@ -55,7 +55,7 @@ class CapturedTrainingStep:
         self.model, self.rows, self.cuts_per_row, self.width_multiple = model, rows, cuts_per_row, width_multiple
         config = model.prompt_tokens.config
         self.num_cuts = rows * cuts_per_row
-        self.rows_per_cut = config.num_prompt_tokens * config.num_ensemble  # prompt rows of a cut's block
+        self.rows_per_cut = config.num_rows  # prompt rows of a cut's block
         self.num_slots = self.num_cuts * (1 + self.rows_per_cut)
         self.params = list(model.prompt_tokens.tensors().values())
         self.device = self.params[0].device

@@ -153,8 +153,7 @@ class PromptTokenTrainer(Trainer):
         config, args = self.prompt_tokens.config, self.args
         step_size = args.per_device_train_batch_size * args.world_size * args.gradient_accumulation_steps
         seed = args.data_seed if args.data_seed is not None else args.seed
-        return WidthGroupedSampler(self.train_dataset.row_widths(config.num_prompt_tokens * config.num_ensemble),
-                                   step_size, seed)
+        return WidthGroupedSampler(self.train_dataset.row_widths(config.num_rows), step_size, seed)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """The micro-batches of one optimizer step, and the number of cuts in them, summed over processes when
