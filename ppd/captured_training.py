@@ -59,8 +59,14 @@ class CapturedTrainingStep:
         self.num_slots = self.num_cuts * (1 + self.rows_per_cut)
         self.params = list(model.prompt_tokens.tensors().values())
         self.device = self.params[0].device
-        # One buffer whose slices are every tensor's ``.grad`` (one all-reduce sums them all); made at the first step.
+        # One buffer whose slices, shaped as the tensors, are every tensor's ``.grad`` (one all-reduce sums them all);
+        # None where the tensors' dtypes differ.
         self._grad_buffer: torch.Tensor | None = None
+        self._grad_views: list[torch.Tensor | None] = [None] * len(self.params)
+        if len({p.dtype for p in self.params}) == 1:
+            sizes = [p.numel() for p in self.params]
+            self._grad_buffer = torch.empty(sum(sizes), dtype=self.params[0].dtype, device=self.device)
+            self._grad_views = [part.view_as(p) for part, p in zip(self._grad_buffer.split(sizes), self.params)]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict, torch.Tensor, tuple]] = {}
         self.captures: list[tuple[int, float]] = []  # (width, seconds of warm-up and capture)
         self.steps = 0  # micro-batches run
@@ -160,29 +166,18 @@ class CapturedTrainingStep:
             self._timed.append((start, end))
             self._read_timings(wait=False)
         # Taken before the next replay (of any graph: they share memory) overwrites them.
-        if self._grad_buffer is None and len({p.dtype for p in self.params}) == 1:
-            self._grad_buffer = torch.empty(sum(p.numel() for p in self.params), dtype=self.params[0].dtype,
-                                            device=self.device)
-        for param, grad, view in zip(self.params, grads, self._grad_views()):
+        for param, grad, view in zip(self.params, grads, self._grad_views):
             if param.grad is None:
                 param.grad = grad.clone() if view is None else view.copy_(grad)
             else:
                 param.grad.add_(grad)
         return loss.clone()
 
-    def _grad_views(self) -> list[torch.Tensor | None]:
-        """Each trained tensor's slice of the gradient buffer, shaped as the tensor (None without the buffer)."""
-        if self._grad_buffer is None:
-            return [None] * len(self.params)
-        sizes = [p.numel() for p in self.params]
-        return [part.view_as(p) for part, p in zip(self._grad_buffer.split(sizes), self.params)]
-
     def grad_buffer(self) -> torch.Tensor | None:
         """The one buffer that holds every trained tensor's ``.grad``, or None where some ``.grad`` lies elsewhere
         (set by other code, or tensors of several dtypes): summing it across processes sums every gradient."""
-        views = self._grad_views()
         if self._grad_buffer is None or any(p.grad is None or p.grad.data_ptr() != v.data_ptr()
-                                            for p, v in zip(self.params, views)):
+                                            for p, v in zip(self.params, self._grad_views)):
             return None
         return self._grad_buffer
 
