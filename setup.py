@@ -30,6 +30,6 @@ setup(
         "train": ["peft>=0.13", "accelerate>=1.0", "bitsandbytes>=0.45", "datasets>=3.0"],
         "app": ["gradio>=5.0", "fastapi>=0.110", "uvicorn>=0.29"],
         "eval": ["matplotlib>=3.7", "httpx>=0.27"],
-        "test": ["pytest>=8", "playwright>=1.40", "httpx>=0.27"],
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "playwright>=1.40", "httpx>=0.27"],
     },
 )

@@ -18,6 +18,10 @@ os.environ.setdefault("PPD_CAPTURE", "eager")
 # ``auto`` means bfloat16 on a CPU with bfloat16 instructions (AVX-512 BF16, AMX); the suite's equivalences
 # with transformers' float32 forward run in float32 on every CPU, and its bfloat16 tests name the dtype.
 os.environ.setdefault("PPD_CPU_BF16", "0")
+# Under pytest-xdist (`make test` runs two workers) the workers share the cores: each takes its share of threads
+# rather than all of them, so two compute-bound tests do not fight over every core.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 def tiny_model(arch: str = "llama", vocab: int = TINY_VOCAB, seed: int = 0, max_positions: int = 512,
