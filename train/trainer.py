@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -213,8 +214,8 @@ class PromptTokenTrainer(Trainer):
         if self.captured is None:
             return None
         widths = sorted(set(self.captured.buckets) | set(self.captured.replays))  # (the buckets: alike everywhere)
-        gaps = sorted(self.captured.gap_seconds()) or [0.0]
-        mine = [self.captured.replay_seconds(), sum(gaps), gaps[len(gaps) // 2]]
+        gaps = self.captured.gap_seconds() or [0.0]
+        mine = [self.captured.replay_seconds(), sum(gaps), statistics.median_high(gaps)]
         mine += [self.captured.replays[w] for w in widths]
         every = self.accelerator.gather(torch.tensor([mine], dtype=torch.float64, device=self.args.device)).tolist()
         return {"micro_batches": self.captured.steps, "width_multiple": self.captured.width_multiple,
@@ -231,7 +232,7 @@ class PromptTokenTrainer(Trainer):
         gaps = sorted(b - a for a, b in zip(self.step_ends, self.step_ends[1:]))
         if not gaps:
             return None
-        return {"median": round(gaps[len(gaps) // 2], 5), "p90": round(gaps[int(0.9 * (len(gaps) - 1))], 5),
+        return {"median": round(statistics.median_high(gaps), 5), "p90": round(gaps[int(0.9 * (len(gaps) - 1))], 5),
                 "steps": len(gaps)}
 
     def settle_checks(self) -> None:
