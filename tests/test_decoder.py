@@ -145,6 +145,42 @@ def test_a_stream_resumed_on_other_threads_decodes_the_same_tokens():
     assert tokens == decoder.generate([4, 5, 6], config).token_ids
 
 
+@pytest.mark.parametrize("method", ["ppd", "baseline"])
+def test_running_ahead_decodes_what_reading_each_step_first_does(monkeypatch, method):
+    """With ``$PPD_RUN_AHEAD=1`` each step is queued before the last one's report is read, its width and tree
+    chosen for the longest a row may have grown to: the same tokens, steps, reasons and streamed progress as the
+    loop that reads every report first, for rows of other lengths that stop at other steps (EOS, their token
+    limit, the context window, where the tree gives way to one row a step), greedy and sampled; at most one
+    step is queued past the last report read, and the state serves the next request as before."""
+    from ppd.decoding import loop
+
+    model = tiny_model(max_positions=64, seed=12)
+    decoder = Decoder(model, random_prompt_tokens(model, 3, 1, seed=12), random_tree_set(seed=12, size=14),
+                      eos_token_ids=[hf_greedy(model, [7, 8, 9], 30)[11]])
+    rng = random.Random(12)
+    prompts = [[7, 8, 9]] + [[rng.randrange(24) for _ in range(rng.randint(2, 40))] for _ in range(4)]
+    queued = []
+    real_queue = loop.queue_step
+    monkeypatch.setattr(loop, "queue_step", lambda *args, **kwargs: queued.append(1) or real_queue(*args, **kwargs))
+
+    def run(ahead: str, **settings):
+        monkeypatch.setenv(loop.RUN_AHEAD_ENV, ahead)
+        queued.clear()
+        config = DecodeConfig(method=method, max_new_tokens=30, **settings)
+        outs = decoder.generate(prompts, config)
+        progress = [(p.step, p.tokens, p.finish_reason) for p in decoder.stream(prompts[1], config)]
+        return [(o.token_ids, o.step_tokens, o.steps, o.finish_reason) for o in outs], progress, len(queued)
+
+    for settings in ({}, {"temperature": 0.9, "top_p": 0.95, "seed": 7}):
+        (read_first, stream_first, steps), (ahead, stream_ahead, queued_ahead) = run("0", **settings), run("1", **settings)
+        assert ahead == read_first and stream_ahead == stream_first, settings
+        assert steps < queued_ahead <= steps + 2  # one step more at most, for each of the two calls
+    assert {out[3] for out in read_first} >= {"eos", "length"} and any(len(p) > 30 for p in prompts)
+    greedy = decoder.generate(prompts, DecodeConfig(method=method, max_new_tokens=30))
+    assert [o.token_ids for o in greedy] == [hf_greedy(model, p, min(30, 64 - len(p)), sorted(decoder.eos_token_ids))
+                                             for p in prompts]
+
+
 def test_ppd_without_prompt_tokens_is_a_clear_error():
     model = tiny_model()
     with pytest.raises(ValueError, match="needs prompt tokens"):

@@ -33,6 +33,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from ppd.captured_training import CapturedTrainingStep
+from ppd.downloads import Download
 from ppd.prompt_tokens import PromptTokens, count_non_finite
 from ppd.files import atomic_write_json
 from ppd.training import HeldOutTally, tally_held_out
@@ -66,35 +67,25 @@ class LaggedChecks:
     device computed a step ago: the host waits for little and the device never runs dry. So training stops one
     micro-batch after the step that went wrong (before anything is saved: every save settles all first).
 
-    On a GPU each value is copied into pinned host memory as it is queued, behind the kernels that make it, and an
-    event marks the copy's end; a read waits for that event alone. (``value.item()`` would wait for everything queued
-    on the stream by then: the next step's replay included, after which the device idles while the host prepares
-    the step after it.)
+    Each value is a :class:`~ppd.downloads.Download`, whose read waits for that value's copy alone (``value.item()``
+    would wait for everything queued on the stream by then: the next step's replay included, after which the device
+    idles while the host prepares the step after it).
     """
 
     def __init__(self):
-        self.pending: list[tuple[str, int, torch.Tensor, torch.cuda.Event | None]] = []  # (kind, step, value, copied)
+        self.pending: list[tuple[str, int, Download]] = []  # (kind, step, value)
         self.loss_sum = 0.0  # the settled losses, summed
         self.waited = 0.0  # seconds the host spent reading them: waiting for the device (~0: the host is the bound)
 
     def queue(self, kind: str, step: int, value: torch.Tensor) -> None:
-        value, copied = value.detach(), None
-        if value.device.type == "cuda":
-            host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-            host.copy_(value, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
-            value = host
-        self.pending.append((kind, step, value, copied))
+        self.pending.append((kind, step, Download(value)))
 
     def settle(self, prompt_tokens: PromptTokens, keep: int = 0) -> None:
         """Read all but the latest ``keep`` values; raise ``NonFiniteError`` at the first that is not finite."""
         ready, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep:]
-        for kind, step, value, copied in ready:
+        for kind, step, value in ready:
             started = time.perf_counter()
-            if copied is not None:
-                copied.synchronize()
-            number = value.item()
+            number = value.wait().item()
             self.waited += time.perf_counter() - started
             if kind == "loss":
                 if not math.isfinite(number):

@@ -5,11 +5,19 @@ the end of the context window) and how many cache slots it must attend over, run
 capture), and reads back one small tensor, the state's report: for each row the tokens it emitted, how
 many were accepted guesses, why it stopped and its cache length. EOS and token limits were already
 decided on the device.
+
+On a GPU :func:`decode` runs ahead: it queues the next step before it reads the last one's report (a
+:class:`~ppd.downloads.Download`, copied behind that step), choosing the next step's width and tree for the
+longest any row can have grown by then, so the device runs one step after another while the host reads,
+records and hands out the progress. Every row's tokens are the same either way; at most one step is queued
+after the last row stopped, and it changes nothing a row reports.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -18,6 +26,7 @@ import torch
 
 from ..attention import plan_free_sdpa
 from ..config import CaptureMode, DecodeConfig, DecodeMethod
+from ..downloads import Download
 from ..prefill import average_copies, build_prefill
 from .graphs import StepRunner, captures_graphs, compile_limits, compiles_prefill, inductor_options, resolve_mode
 from .state import LENGTH, MAX_LENGTH, REASONS, REPORT_HEAD, DecodeState
@@ -72,7 +81,7 @@ def attention_width(need: int, capacity: int, exact: bool, whole: bool = False) 
     if whole:
         return capacity
     if exact:
-        return need
+        return min(need, capacity)
     width = MIN_WIDTH
     while width < need:
         width *= 2
@@ -147,16 +156,41 @@ def decode(decoder: "Decoder", batch: list[list[int]], config: DecodeConfig) -> 
         yield progress
 
         host_lengths = [line[3] for line in report]
+        # Steps queued whose reports are not read yet: with a run ahead, the next step is queued before the
+        # last one's report is read, so the device never waits for the host between two steps.
+        depth = 2 if runs_ahead(decoder.device) else 1
+        advance = state.report.shape[1] - REPORT_HEAD  # the most cache entries one step commits to a row
+        queued: deque[Download] = deque()
         step = 0
         while not all(progress.finished()):
-            report = run_step(decoder, runner, state, tables, max(host_lengths), n, kind, exact, whole)
+            while len(queued) < depth:
+                # The lengths read are those before the queued steps, each of which may commit ``advance``
+                # entries more: the step's width and tree are chosen for the longest a row can be by then.
+                longest = max(host_lengths) + len(queued) * advance
+                queue_step(decoder, runner, state, tables, longest, kind, exact, whole)
+                queued.append(Download(state.report[:n]))
+            report = queued.popleft().wait().tolist()
             step += 1
             progress.current_step = step
             progress.record(report, count_step=True)
             host_lengths = [line[3] for line in report]
             yield progress
+        # A step queued after every row had stopped changed nothing a row reports: it is left unread.
     finally:
         decoder.states.release(state)
+
+
+RUN_AHEAD_ENV = "PPD_RUN_AHEAD"  # "1" or "0": whether decode() queues a step before reading the last one's report
+
+
+def runs_ahead(device: torch.device) -> bool:
+    """Whether :func:`decode` queues each step before it reads the report of the step before (``$PPD_RUN_AHEAD``
+    = ``1`` or ``0``; by default on a GPU). On a CPU the host computes each step itself, so nothing overlaps and
+    a run ahead only adds a step after the last row stops."""
+    found = os.environ.get(RUN_AHEAD_ENV)
+    if found not in (None, "", "0", "1"):
+        raise ValueError(f"${RUN_AHEAD_ENV} must be 1 or 0, got {found!r}")
+    return found == "1" if found else device.type == "cuda"
 
 
 def reset_rows(decoder: "Decoder", state: DecodeState, lengths: list[int], config: DecodeConfig) -> None:
@@ -185,10 +219,17 @@ def tree_fits(decoder: "Decoder", bucket: int, need: int, capacity: int, exact: 
 
 def run_step(decoder: "Decoder", runner: StepRunner, state: DecodeState, tables: TreeTables | None, longest: int,
              rows_read: int, kind: StepKind, exact: bool, whole: bool = False) -> list[list[int]]:
-    """One step of every row of ``state`` (verifying ``tables``' trees, or one row each where ``tables`` is
-    None), whose longest row has ``longest`` committed tokens; returns the report of the first ``rows_read``
-    rows, the step's one host synchronisation. ``kind`` says how the rows sample (its ``tree`` is decided
-    here)."""
+    """:func:`queue_step`, then the report of the first ``rows_read`` rows: the step's one host
+    synchronisation."""
+    queue_step(decoder, runner, state, tables, longest, kind, exact, whole)
+    return state.report[:rows_read].tolist()
+
+
+def queue_step(decoder: "Decoder", runner: StepRunner, state: DecodeState, tables: TreeTables | None, longest: int,
+               kind: StepKind, exact: bool, whole: bool = False) -> None:
+    """Queue one step of every row of ``state`` (verifying ``tables``' trees, or one row each where ``tables`` is
+    None), whose longest row has at most ``longest`` committed tokens; the step writes its report into the state.
+    ``kind`` says how the rows sample (its ``tree`` is decided here)."""
     # Near the end of the context window the tree's positions would not fit, and past the batch policy's
     # widest attention for this bucket the tree costs more than it returns: one row a step.
     tree = (tables is not None and longest + tables.max_offset < decoder.max_positions
@@ -198,7 +239,6 @@ def run_step(decoder: "Decoder", runner: StepRunner, state: DecodeState, tables:
     kind = replace(kind, tree=tree)
     with torch.no_grad():
         runner.run(tables if tree else None, decoder.prompt_embeds(tables) if tree else None, state, kind, width)
-        return state.report[:rows_read].tolist()
 
 
 def prefill_logits(lm: LanguageModel, state: DecodeState, embeds: torch.Tensor, mask, positions: torch.Tensor,

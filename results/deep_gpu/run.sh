@@ -7,6 +7,7 @@
 #   bash results/deep_gpu/run.sh gap folded              # the policy's tree on the baseline's decoder and on its own;
 #                                                        # query heads folded into rows (PPD_GROUPED_SDPA=folded)
 #   bash results/deep_gpu/run.sh gap1 gap1c              # batch 1 alone; the same with PPD_COMPILED_PREFILL=1
+#   bash results/deep_gpu/run.sh ahead                   # batch 1-32 without and with the run ahead; fp32 answers
 #   bash results/deep_gpu/run.sh long longfolded         # 8K context, dense step with shared key heads; folded
 #   bash results/deep_gpu/run.sh feed8k longmatmul matmul # attention alone at 8K; the matmul layout at 8K and by batch
 # Run after staging the packages (../shared/gpu/README.md; `load` also needs FastAPI and uvicorn staged;
@@ -77,6 +78,16 @@ sys.argv[0] = "eval.batch_speed"; runpy.run_module("eval.batch_speed", run_name=
       PPD_GROUPED_SDPA=folded timeout $(left) python -m eval.batch_speed $ENGINE --batch_sizes 8 16 32 64 --bench mt_bench \
         --max_new_tokens 256 --max_seq_len 1024 --trees $T/tree_16.json $T/tree_64.json \
         --output "$R/batch_speed_folded.json" > "$R/logs/folded.log" 2>&1; rc=$? ;;
+    ahead)
+      # Batch 1-32, each step's report read before the next step is queued (PPD_RUN_AHEAD=0), then with the
+      # next step queued first (1, the default on a GPU); then fp32 answers of both ways compared.
+      for a in 0 1; do
+        PPD_RUN_AHEAD=$a timeout $(left) python -m eval.batch_speed $ENGINE --batch_sizes 1 2 4 8 16 32 --bench mt_bench \
+          --max_new_tokens 256 --max_seq_len 1024 --output "$R/batch_speed_ahead$a.json" --plot "$R/batch_speed_ahead$a.png" \
+          > "$R/logs/ahead$a.log" 2>&1; rc=$?
+      done
+      timeout $(left) python results/deep_gpu/run_ahead_check.py --dtype float32 --batch_sizes 1 4 --questions 8 \
+        --max_new_tokens 128 --output "$R/run_ahead_check_fp32.json" > "$R/logs/ahead_check.log" 2>&1; rc=$? ;;
     gap1)
       # Batch 1 alone: where the gap lies (prefills, or the time per forward pass).
       timeout $(left) python -m eval.batch_speed $ENGINE --batch_sizes 1 --bench mt_bench --max_new_tokens 256 \
