@@ -21,6 +21,7 @@ from .config import MAX_EOS_IDS, CaptureMode, DecodeConfig, StepAttention
 from .decoding.graphs import Capture, StepRunner, captures_graphs, compiles_prefill, resolve_mode
 from .decoding.loop import PromptTooLongError, batch_bucket, decode, steps_to_prepare, whole_width
 from .decoding.packed_linear import pack_linears
+from .decoding.prefill_graphs import bucket_widths
 from .decoding.state import DecodeState, StatePool
 from .decoding.step import LanguageModel, StepKind
 from .decoding.support import UnsupportedModelError, checked_tree_attention
@@ -302,6 +303,14 @@ class Decoder:
             for name in prefills:
                 for _ in decode(self, [[0, 0]] * size, DecodeConfig(method=name, max_new_tokens=1, capture=mode)):
                     pass
+            if runner.prefill_graphs is not None:  # a prefill graph for every width bucket, each method
+                for name in (["ppd"] if use_ppd else []) + (["baseline"] if "baseline" in methods else []):
+                    rows = self.prompt_tokens.config.num_rows if name == "ppd" else 0
+                    for width in bucket_widths(size, self.capacity):
+                        if rows < width - 1 and width - rows < self.capacity:
+                            for _ in decode(self, [[0] * (width - rows)] * size,
+                                            DecodeConfig(method=name, max_new_tokens=1, capture=mode)):
+                                pass
             state = self.states.acquire(bucket)
             try:
                 top = min(max_width or state.capacity, state.capacity)

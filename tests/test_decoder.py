@@ -272,6 +272,72 @@ def test_a_compiled_prefill_leaves_the_state_the_eager_one_does(monkeypatch):
             decoder.states.release(state)
 
 
+def test_a_prefill_padded_for_its_graph_leaves_the_state_the_eager_one_does(monkeypatch):
+    """The prefill that a CUDA graph replays (``ppd/decoding/prefill_graphs.py``), run here without capture: its
+    prompt padded to the bucket's width, its tokens, lengths and read slots copied into the graph's buffers, the
+    layout made from them. It leaves the state of the exact-width eager prefill (cache, lengths, roots, guesses,
+    report), deep prompt tokens with maps included, for one row and rows of different lengths, each buffer set
+    reused by later prompts of its bucket; a state's first prefill, which allocates its cache, and a prefill too
+    wide for the buckets run eagerly; decoding after it gives transformers' greedy tokens."""
+    from ppd.decoding import prefill_graphs
+    from ppd.decoding.loop import prefill, reset_rows
+    from ppd.decoding.prefill_graphs import PrefillGraphs, bucket_width
+    from ppd.decoding.step import StepKind
+
+    assert bucket_width(3, 1, 2048) == 64 and bucket_width(65, 1, 2048) == 128 and bucket_width(900, 2, 2048) == 1024
+    assert bucket_width(900, 2, 1000) == 1000 and bucket_width(1001, 1, 1000) is None
+    assert bucket_width(2000, 16, 4096) is None  # 16 x 2048 slots: eager
+
+    from ppd.config import CaptureMode
+
+    model = tiny_model("llama", seed=4)
+    tokens = random_prompt_tokens(model, n=3, v=2, seed=4, deep=True, rank=2)
+    # One decoder prefills exactly, the other through the graphs' buffers (each its own states).
+    eager, padded = (Decoder(model, tokens, random_tree_set(3, size=6), packed_weights=False) for _ in range(2))
+    rng = random.Random(4)
+    batches = [[[5, 9, 2, 7]], [[5, 9, 2, 7, 7, 1, 4, 4], [3, 8, 1]], [[1, 2], [3] * 70, [8, 9]],
+               [[rng.randrange(24) for _ in range(60)]], [[4, 4, 1]]]
+    config = DecodeConfig(max_new_tokens=8)
+    graphs = PrefillGraphs(capture=False)
+
+    def prefilled(decoder, batch, use_ppd, through=None):
+        state = decoder.states.acquire(len(batch))
+        with torch.no_grad():
+            reset_rows(decoder, state, [len(x) for x in batch], config)
+            prefill(decoder, batch, state, use_ppd, StepKind(tree=False), graphs=through)
+        decoder.states.release(state)
+        return state
+
+    for rows in (1, 2, 3):
+        prefilled(padded, [[1]] * rows, True, graphs)  # a state's first prefill allocates its cache: eagerly
+    assert not graphs._graphs
+    for use_ppd, batch in [(True, b) for b in batches] + [(False, batches[1]), (False, batches[4])]:
+        exact, through = prefilled(eager, batch, use_ppd), prefilled(padded, batch, use_ppd, graphs)
+        width = max(map(len, batch)) + (6 if use_ppd else 0)
+        for a, b in zip(exact.kv.buffers(), through.kv.buffers()):
+            torch.testing.assert_close(b[:, :, :width], a[:, :, :width])
+        for name in ("lengths", "root", "key", "report", "guesses"):
+            assert torch.equal(getattr(through, name), getattr(exact, name)), name
+    # Buffers by (state, rows, width, prompt tokens or not): the second one-row PPD prompt of 64 slots reused the
+    # first's; the 3-row batch of 76 slots took a width of 128.
+    assert sorted(key[1:3] + (key[-1],) for key in graphs._graphs) == [
+        (1, 64, False), (1, 64, True), (1, 128, False), (2, 64, False), (2, 64, True), (3, 128, False)]
+    assert all(found.graph is None for found in graphs._graphs.values())
+
+    padded.runner(CaptureMode.EAGER).prefill_graphs = graphs  # as a captured runner on a GPU has them
+    prompts = [[rng.randrange(24) for _ in range(n)] for n in (5, 40, 17)]
+    outs = padded.generate(prompts, DecodeConfig(max_new_tokens=12, stop_on_eos=False, capture="eager"))
+    assert [o.token_ids for o in outs] == [hf_greedy(model, p, 12) for p in prompts]
+    assert (3, 64, False) in [key[1:3] + (key[-1],) for key in graphs._graphs]  # its prefill went through them
+    wide = [rng.randrange(24) for _ in range(400)]
+    before = len(graphs._graphs)
+    with monkeypatch.context() as patch:
+        patch.setattr(prefill_graphs, "MAX_TOKENS", 256)  # too wide to capture: the exact eager prefill
+        assert padded.generate(wide, DecodeConfig(max_new_tokens=6, stop_on_eos=False, capture="eager")
+                               ).token_ids == hf_greedy(model, wide, 6)
+    assert len(graphs._graphs) == before
+
+
 def test_prefill_runs_without_cudnn_attention_and_steps_with_it():
     """The eager prefill leaves cuDNN's SDPA out (a plan per new shape: a prefill's shape is new for nearly
     every request); the steps that follow run with the backends as they were."""

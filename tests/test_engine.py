@@ -170,7 +170,10 @@ def test_cuda_only_modes_are_refused_clearly_on_cpu():
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("mode", [CaptureMode.GRAPH, CaptureMode.COMPILED_GRAPH])
-def test_captured_step_equals_eager_step_on_the_gpu(mode):
+def test_captured_step_equals_eager_step_on_the_gpu(mode, monkeypatch):
+    from ppd.decoding.graphs import PREFILL_GRAPHS_ENV
+
+    monkeypatch.setenv(PREFILL_GRAPHS_ENV, "0")  # the exact eager prefill: the steps alone are compared
     model = tiny_model(seed=25).cuda()
     decoder = Decoder(model, random_prompt_tokens(model, 3, 2, seed=25), random_tree_set(seed=25, size=14),
                       max_seq_len=300)
@@ -190,3 +193,39 @@ def test_captured_step_equals_eager_step_on_the_gpu(mode):
     captured = len(decoder.captures)
     _outputs(decoder, requests, method="ppd", capture=mode)
     assert len(decoder.captures) == captured  # later requests replay what is captured
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+def test_captured_prefills_decode_what_eager_prefills_do_on_the_gpu():
+    """Where steps replay graphs, prefills do too (``ppd/decoding/prefill_graphs.py``): one graph per rows and
+    width bucket, captured at its first prompt and replayed for later ones; the tokens are the eager decoder's,
+    deep prompt tokens with maps, one row and several, PPD and the baseline."""
+    model = tiny_model(seed=26).cuda()
+    tokens = random_prompt_tokens(model, 3, 2, seed=26, deep=True, rank=2)
+    decoder = Decoder(model, tokens, random_tree_set(seed=26, size=14), max_seq_len=300)
+    requests = _requests(model.config.vocab_size, 26, 6)
+    for method in ("ppd", "baseline"):
+        assert _outputs(decoder, requests, method=method, capture="compiled_graph") == _outputs(
+            decoder, requests, method=method, capture="eager")
+    graphs = decoder.runner(CaptureMode.COMPILED_GRAPH).prefill_graphs
+    # One row (after the state's first prefill, eager: it allocates the cache): a graph for each method, at the
+    # width of 64 that prompts of at most 40 tokens and 6 prompt rows take.
+    assert [(rows, width) for rows, width, _ in graphs.captures] == [(1, 64), (1, 64)]
+    batch = [p for p, _ in requests[:3]]
+    for _ in range(2):  # three rows: a state of four, first prefilled eagerly, then through a graph of its own
+        captured = decoder.generate(batch, DecodeConfig(max_new_tokens=30, capture="compiled_graph"))
+    assert [o.token_ids for o in captured] == [o.token_ids for o in decoder.generate(
+        batch, DecodeConfig(max_new_tokens=30, capture="eager"))]
+    assert [(rows, width) for rows, width, _ in graphs.captures][2:] == [(3, 64)]
+    again = len(graphs.captures)
+    _outputs(decoder, requests, method="ppd", capture="compiled_graph")
+    assert len(graphs.captures) == again  # later prompts replay them
+    # A warm-up captures every width bucket of its batch sizes ahead (a cache of 300 slots: 64, 128, 256 and,
+    # with PPD's 6 prompt rows, 300), so that requests capture nothing.
+    warm = Decoder(model, tokens, random_tree_set(seed=26, size=14), max_seq_len=300)
+    warm.warmup(batch_sizes=[1], capture="compiled_graph")
+    graphs = warm.runner(CaptureMode.COMPILED_GRAPH).prefill_graphs
+    assert sorted(width for _, width, _ in graphs.captures) == [64, 64, 128, 128, 256, 256, 300]
+    for method in ("ppd", "baseline"):
+        _outputs(warm, requests, method=method, capture="compiled_graph")
+    assert len(graphs.captures) == 7

@@ -21,6 +21,7 @@ import torch
 
 from ..config import CaptureMode
 from .packed_linear import PackedLinear, ensure_packed
+from .prefill_graphs import PrefillGraphs
 from .state import DecodeState
 from .step import LanguageModel, StepKind, decode_step
 from .tables import TreeTables
@@ -28,6 +29,7 @@ from .tables import TreeTables
 logger = logging.getLogger(__name__)
 
 WARMUP_RUNS = 2
+PREFILL_GRAPHS_ENV = "PPD_PREFILL_GRAPHS"  # "0": prefills run eagerly even where the steps replay graphs
 
 
 @dataclass
@@ -138,6 +140,10 @@ class StepRunner:
         self._static: set[int] = set()  # states whose buffers torch's own CUDA graphs may treat as fixed
         self._pool = None
         self.captures: list[Capture] = []
+        # Prefills replayed from graphs of their own, where steps are (``$PPD_PREFILL_GRAPHS=0``: eager prefills)
+        self.prefill_graphs = PrefillGraphs(capture=True) if (
+            mode in (CaptureMode.GRAPH, CaptureMode.COMPILED_GRAPH) and device.type == "cuda"
+            and os.environ.get(PREFILL_GRAPHS_ENV) != "0") else None
 
     def _call(self, tables, prompt_embeds, state: DecodeState, kind: StepKind, width: int) -> None:
         with self.lm.stepping():

@@ -29,6 +29,7 @@ from ..config import CaptureMode, DecodeConfig, DecodeMethod
 from ..downloads import Download
 from ..prefill import average_copies, build_prefill
 from .graphs import StepRunner, captures_graphs, compile_limits, compiles_prefill, inductor_options, resolve_mode
+from .prefill_graphs import PrefillGraphs
 from .state import LENGTH, MAX_LENGTH, REASONS, REPORT_HEAD, DecodeState
 from .step import LanguageModel, StepKind, next_tokens, start_rows
 from .tables import TreeTables
@@ -149,7 +150,8 @@ def decode(decoder: "Decoder", batch: list[list[int]], config: DecodeConfig) -> 
     try:
         with torch.no_grad():
             reset_rows(decoder, state, lengths, config)
-            prefill(decoder, batch, state, use_ppd, kind, compiles_prefill(mode, decoder.device))
+            prefill(decoder, batch, state, use_ppd, kind, compiles_prefill(mode, decoder.device),
+                    runner.prefill_graphs)
             report = state.report[:n].tolist()
         progress = Progress([[] for _ in batch], [0] * n, [[] for _ in batch], [None] * n)
         progress.record(report, count_step=False)
@@ -266,31 +268,41 @@ def compiled_prefill():
 
 
 def prefill(decoder: "Decoder", batch: list[list[int]], state: DecodeState, use_ppd: bool, kind: StepKind,
-            compiled: bool = False) -> None:
+            compiled: bool = False, graphs: PrefillGraphs | None = None) -> None:
     """Run ``[x_b, prompt tokens]`` into the first rows of the state's cache; set each row's length, root,
     guesses and key. ``kind`` says how the rows sample. ``compiled``: the forward runs compiled
     (:func:`compiled_prefill`) instead of launching each of the model's operators from Python (a state's first
-    prefill runs eagerly before it, to allocate the cache)."""
+    prefill runs eagerly before it, to allocate the cache); else, with ``graphs``, the eager forward is replayed
+    from a CUDA graph at a bucketed width where one fits (``prefill_graphs``; the state's first prefill, which
+    allocates its cache, and prefills too wide to capture run eagerly)."""
     n = len(batch)
     pt = decoder.prompt_tokens
     n_prompt = pt.num_prompt_tokens if use_ppd else 0
     V = pt.num_ensemble if use_ppd else 1
     attention = pt.config.attention_type if use_ppd else "ensemble"
     table = pt().detach() if use_ppd else None
-    inputs = build_prefill(decoder.model, batch, table, n_prompt, V, attention)
-    state.kv.reserve(inputs.width)
-    read = inputs.keep[inputs.where]  # [n, 1 + N*V]: each row's last token and its prompt rows (one cut a row)
-    args = (decoder.lm, state, inputs.embeds, inputs.mask, inputs.positions, read, inputs.prompt_rows)
-    with plan_free_sdpa():
-        if compiled and not state.kv.allocated:
-            prefill_logits(*args)  # the first forward into a state allocates its cache: eagerly, once
-        if compiled:
-            state.kv.buffers()  # a row range's cache slices itself here, eagerly (as for a compiled step)
-            with compile_limits():
-                rows = compiled_prefill()(*args)
-        else:
-            rows = prefill_logits(*args)  # [n, 1 + N*V, vocab]
-    state.lengths[:n] = inputs.lengths
+    found = None
+    if graphs is not None and not compiled and state.kv.allocated:
+        state.kv.reserve(state.kv.capacity)  # a graph writes the cache where it was when captured
+        found = graphs.logits(decoder, batch, state, table, n_prompt, V, attention, prefill_logits)
+    if found is not None:
+        rows, lengths = found
+    else:
+        inputs = build_prefill(decoder.model, batch, table, n_prompt, V, attention)
+        state.kv.reserve(inputs.width)
+        read = inputs.keep[inputs.where]  # [n, 1 + N*V]: each row's last token and its prompt rows (one cut a row)
+        args = (decoder.lm, state, inputs.embeds, inputs.mask, inputs.positions, read, inputs.prompt_rows)
+        with plan_free_sdpa():
+            if compiled and not state.kv.allocated:
+                prefill_logits(*args)  # the first forward into a state allocates its cache: eagerly, once
+            if compiled:
+                state.kv.buffers()  # a row range's cache slices itself here, eagerly (as for a compiled step)
+                with compile_limits():
+                    rows = compiled_prefill()(*args)
+            else:
+                rows = prefill_logits(*args)  # [n, 1 + N*V, vocab]
+        lengths = inputs.lengths
+    state.lengths[:n] = lengths
     first = state.rows(0, n)
     state.root[:n] = next_tokens(rows[:, 0], first, kind, first.generated)  # output token 0
     if use_ppd:

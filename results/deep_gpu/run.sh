@@ -8,6 +8,7 @@
 #                                                        # query heads folded into rows (PPD_GROUPED_SDPA=folded)
 #   bash results/deep_gpu/run.sh gap1 gap1c              # batch 1 alone; the same with PPD_COMPILED_PREFILL=1
 #   bash results/deep_gpu/run.sh ahead                   # batch 1-32 without and with the run ahead; fp32 answers
+#   bash results/deep_gpu/run.sh prefill                 # batch 1-8, eager prefills against prefills from CUDA graphs
 #   bash results/deep_gpu/run.sh long longfolded         # 8K context, dense step with shared key heads; folded
 #   bash results/deep_gpu/run.sh feed8k longmatmul matmul # attention alone at 8K; the matmul layout at 8K and by batch
 # Run after staging the packages (../shared/gpu/README.md; `load` also needs FastAPI and uvicorn staged;
@@ -88,6 +89,14 @@ sys.argv[0] = "eval.batch_speed"; runpy.run_module("eval.batch_speed", run_name=
       done
       timeout $(left) python results/deep_gpu/run_ahead_check.py --dtype float32 --batch_sizes 1 4 --questions 8 \
         --max_new_tokens 128 --output "$R/run_ahead_check_fp32.json" > "$R/logs/ahead_check.log" 2>&1; rc=$? ;;
+    prefill)
+      # Batch 1-8 with eager prefills (PPD_PREFILL_GRAPHS=0), then with prefills replayed from CUDA graphs (the
+      # default where steps replay graphs; the warm-up captures every width bucket).
+      for g in 0 1; do
+        PPD_PREFILL_GRAPHS=$g timeout $(left) python -m eval.batch_speed $ENGINE --batch_sizes 1 2 4 8 --bench mt_bench \
+          --max_new_tokens 256 --max_seq_len 1024 --output "$R/batch_speed_prefill$g.json" > "$R/logs/prefill$g.log" 2>&1
+        rc=$?
+      done ;;
     gap1)
       # Batch 1 alone: where the gap lies (prefills, or the time per forward pass).
       timeout $(left) python -m eval.batch_speed $ENGINE --batch_sizes 1 --bench mt_bench --max_new_tokens 256 \

@@ -1,0 +1,137 @@
+"""Prefills replayed from CUDA graphs: the eager prefill's device time without launching its kernels from Python.
+
+An eager prefill launches the model's operators one by one from Python: 30 ms a prompt for the default model on an
+H200 (``results/deep_gpu/h200/v8/``), 48-56 ms to the first report on an H100 with the prompt tokens' hooks, a fifth
+of PPD's time at batch 1 (``results/deep_gpu/h100/v10/``), for a few milliseconds of device work.
+Compiling it (``PPD_COMPILED_PREFILL=1``) costs 100-150 s a variant at start-up. Here the eager prefill forward is
+captured in a CUDA graph instead, once per (rows, width bucket, with prompt tokens or not), which takes a fraction
+of a second: the prompt is padded to the next power of two of at least :data:`MIN_WIDTH` slots (the padding slots
+see only themselves and write cache slots past the row's length, which no step attends), and its tokens, lengths
+and read positions are copied into the graph's input buffers before each replay. The layout, mask, positions and
+embeddings are made in the graph from those few numbers (``prefill.prefill_inputs``), the logits of each row's last
+token and prompt rows are its output; what follows (the first token, the guesses) runs as before.
+
+Prefills of more than :data:`MAX_TOKENS` slots (rows x width) run eagerly: their time is the arithmetic's, not
+the launches', and a graph would hold their activations. Graphs share one memory pool of their own, apart from the
+steps' (a prefill's logits are read after its replay, before any step runs).
+
+Without ``capture`` (a CPU, tests) the same padded inputs go through the same function eagerly, so the padding and
+the buffers are tested where no graph can be captured.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..attention import plan_free_sdpa
+from ..prefill import PrefillPlan, plan_prefill, prefill_inputs
+
+logger = logging.getLogger(__name__)
+
+MIN_WIDTH = 64  # the narrowest prefill width captured
+MAX_TOKENS = 16384  # rows x width past which a prefill runs eagerly
+PLAN_FIELDS = ("ids", "lengths", "cuts", "counts")  # the plan's tensors the graph reads (keep/where are host-side)
+
+
+def bucket_width(need: int, rows: int, capacity: int) -> int | None:
+    """The width a prefill of ``rows`` rows needing ``need`` slots is captured at (a power of two, at least
+    :data:`MIN_WIDTH`, at most the cache's ``capacity``), or None where it runs eagerly."""
+    width = MIN_WIDTH
+    while width < need:
+        width *= 2
+    width = min(width, capacity)
+    return width if need <= width and rows * width <= MAX_TOKENS else None
+
+
+def bucket_widths(rows: int, capacity: int) -> list[int]:
+    """Every width :func:`bucket_width` captures a prefill of ``rows`` rows at (what a warm-up captures)."""
+    widths, need = [], 1
+    while (width := bucket_width(need, rows, capacity)) is not None and (not widths or width > widths[-1]):
+        widths.append(width)
+        need = width + 1
+    return widths
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph | None  # None: run eagerly (no capture)
+    inputs: dict[str, torch.Tensor]  # the buffers the graph reads
+    table: torch.Tensor | None  # the prompt-token table it reads
+    output: torch.Tensor | None  # [rows, 1 + N * V, vocab]: the logits it writes
+
+
+class PrefillGraphs:
+    """The prefill graphs of one decoder; ``capture`` False runs each padded prefill eagerly instead."""
+
+    def __init__(self, capture: bool):
+        self.capture = capture
+        self._graphs: dict[tuple, _Graph] = {}
+        self._pool = None
+        self.captures: list[tuple[int, int, float]] = []  # (rows, width, seconds) of each capture
+
+    def logits(self, decoder, batch: list[list[int]], state, table: torch.Tensor | None, n_prompt: int,
+               num_ensemble: int, attention, prefill_logits) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Prefill ``batch`` into the first rows of ``state`` through a graph (``prefill_logits`` is the forward,
+        ``loop.prefill_logits``); returns the logits [n, 1 + N * V, vocab] and the rows' lengths [n] on the device,
+        or None where the prefill is too wide to capture (the caller runs it eagerly)."""
+        n, n_rows = len(batch), n_prompt * num_ensemble
+        width = bucket_width(max(len(x) for x in batch) + n_rows, n, state.kv.capacity)
+        if width is None:
+            return None
+        plan = plan_prefill(batch, n_prompt, num_ensemble, width_multiple=width, read_prompt_rows=table is not None)
+        key = (id(state), n, width, n_prompt, num_ensemble, str(attention), table is None)
+        found = self._graphs.get(key)
+        if found is None:
+            found = self._graphs[key] = self._make(decoder, plan, state, table, n_prompt, num_ensemble, attention,
+                                                   prefill_logits)
+        for name in PLAN_FIELDS:
+            found.inputs[name].copy_(getattr(plan, name), non_blocking=True)
+        found.inputs["read"].copy_(plan.keep[plan.where], non_blocking=True)
+        if table is not None:
+            found.table.copy_(table)
+        if found.graph is None:
+            return self._forward(decoder, found, state, n_prompt, num_ensemble, attention, prefill_logits), \
+                found.inputs["lengths"]
+        found.graph.replay()
+        return found.output, found.inputs["lengths"]
+
+    @staticmethod
+    def _forward(decoder, found: _Graph, state, n_prompt, num_ensemble, attention, prefill_logits) -> torch.Tensor:
+        inputs = found.inputs
+        plan = PrefillPlan(inputs["ids"], inputs["lengths"], inputs["cuts"], inputs["counts"], None, None, None)
+        made = prefill_inputs(decoder.model, plan, found.table, n_prompt, num_ensemble, attention)
+        with plan_free_sdpa():
+            return prefill_logits(decoder.lm, state, made.embeds, made.mask, made.positions, inputs["read"],
+                                  made.prompt_rows)
+
+    def _make(self, decoder, plan: PrefillPlan, state, table, n_prompt, num_ensemble, attention,
+              prefill_logits) -> _Graph:
+        device = state.lengths.device
+        inputs = {name: getattr(plan, name).to(device) for name in PLAN_FIELDS}
+        inputs["read"] = plan.keep[plan.where].to(device)
+        found = _Graph(None, inputs, None if table is None else table.clone(), None)
+        if not self.capture:
+            return found
+        start = time.perf_counter()
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # cuBLAS and the attention kernels initialised outside the capture
+            self._forward(decoder, found, state, n_prompt, num_ensemble, attention, prefill_logits)
+        torch.cuda.current_stream(device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        found.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(found.graph, pool=self._pool):
+            found.output = self._forward(decoder, found, state, n_prompt, num_ensemble, attention, prefill_logits)
+        torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - start
+        self.captures.append((plan.ids.shape[0], plan.width, seconds))
+        logger.info("captured the prefill of %d rows at width %d in %.2f s", plan.ids.shape[0], plan.width, seconds)
+        return found
+
+
+__all__ = ["MAX_TOKENS", "MIN_WIDTH", "PrefillGraphs", "bucket_width", "bucket_widths"]
