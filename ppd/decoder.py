@@ -21,7 +21,7 @@ from .config import MAX_EOS_IDS, CaptureMode, DecodeConfig, StepAttention
 from .decoding.graphs import Capture, StepRunner, captures_graphs, compiles_prefill, resolve_mode
 from .decoding.loop import PromptTooLongError, batch_bucket, decode, steps_to_prepare, whole_width
 from .decoding.packed_linear import pack_linears
-from .decoding.prefill_graphs import bucket_widths
+from .decoding.prefill_graphs import bucket_width, bucket_widths
 from .decoding.state import DecodeState, StatePool
 from .decoding.step import LanguageModel, StepKind
 from .decoding.support import UnsupportedModelError, checked_tree_attention
@@ -304,11 +304,15 @@ class Decoder:
                 for _ in decode(self, [[0, 0]] * size, DecodeConfig(method=name, max_new_tokens=1, capture=mode)):
                     pass
             if runner.prefill_graphs is not None:  # a prefill graph for every width bucket, each method
+                state = self.states.acquire(bucket)
+                slots = state.capacity  # (the buckets run up to the state's slots, past the capacity)
+                self.states.release(state)
                 for name in (["ppd"] if use_ppd else []) + (["baseline"] if "baseline" in methods else []):
                     rows = self.prompt_tokens.config.num_rows if name == "ppd" else 0
-                    for width in bucket_widths(size, self.capacity):
-                        if rows < width - 1 and width - rows < self.capacity:
-                            for _ in decode(self, [[0] * (width - rows)] * size,
+                    for width in bucket_widths(size, slots):
+                        length = min(width - rows, self.capacity - 1)  # the longest prompt of this bucket
+                        if length >= 1 and bucket_width(length + rows, size, slots) == width:
+                            for _ in decode(self, [[0] * length] * size,
                                             DecodeConfig(method=name, max_new_tokens=1, capture=mode)):
                                 pass
             state = self.states.acquire(bucket)

@@ -220,12 +220,13 @@ def test_captured_prefills_decode_what_eager_prefills_do_on_the_gpu():
     again = len(graphs.captures)
     _outputs(decoder, requests, method="ppd", capture="compiled_graph")
     assert len(graphs.captures) == again  # later prompts replay them
-    # A warm-up captures every width bucket of its batch sizes ahead (a cache of 300 slots: 64, 128, 256 and,
-    # with PPD's 6 prompt rows, 300), so that requests capture nothing.
+    # A warm-up captures every width bucket of its batch sizes ahead (the state's 384 slots, 300 and the tree's
+    # rows rounded up to whole blocks: 64, 128, 256 and 384, for each method), so that requests capture nothing.
     warm = Decoder(model, tokens, random_tree_set(seed=26, size=14), max_seq_len=300)
     warm.warmup(batch_sizes=[1], capture="compiled_graph")
     graphs = warm.runner(CaptureMode.COMPILED_GRAPH).prefill_graphs
-    assert sorted(width for _, width, _ in graphs.captures) == [64, 64, 128, 128, 256, 256, 300]
+    assert sorted(width for _, width, _ in graphs.captures) == [64, 64, 128, 128, 256, 256, 384, 384]
     for method in ("ppd", "baseline"):
         _outputs(warm, requests, method=method, capture="compiled_graph")
-    assert len(graphs.captures) == 7
+        warm.generate([1] * 290, DecodeConfig(method=method, max_new_tokens=4))  # the widest bucket
+    assert len(graphs.captures) == 8
