@@ -119,7 +119,7 @@ def test_a_full_queue_refuses_more_requests():
     batcher.close()
 
 
-def test_the_batch_policy_switches_trees_as_the_batch_crosses_a_bucket():
+def test_the_batch_policy_switches_trees_as_the_batch_crosses_a_bucket(monkeypatch):
     model = tiny_model(seed=3)
     big, small = random_tree_set(seed=7, size=12), random_tree_set(seed=8, size=3)
     policy = BatchPolicy((1, 2, 8), (big, None, small))
@@ -134,6 +134,24 @@ def test_the_batch_policy_switches_trees_as_the_batch_crosses_a_bucket():
     assert max(alone.step_tokens) > 1
     assert all(t == 1 for t in decoder.generate([prompt, prompt], DecodeConfig(
         max_new_tokens=60, stop_on_eos=False))[0].step_tokens)
+    # Without a tree PPD's prefill leaves the prompt tokens out as well: the baseline's forwards, the same tokens.
+    from ppd.decoding import loop
+
+    seen = []
+    real = loop.prefill
+
+    def prefill(decoder, batch, state, use_ppd, *args, **kwargs):
+        seen.append(use_ppd)
+        return real(decoder, batch, state, use_ppd, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "prefill", prefill)
+    pair = [[5, 1, 7], [2, 9, 9, 4, 1]]
+    ppd, baseline = (decoder.generate(pair, DecodeConfig(method=m, max_new_tokens=20, stop_on_eos=False))
+                     for m in ("ppd", "baseline"))
+    assert [o.token_ids for o in ppd] == [o.token_ids for o in baseline]
+    decoder.generate(prompt, DecodeConfig(max_new_tokens=5))
+    assert seen == [False, False, True]
+    monkeypatch.undo()
     with ContinuousBatcher(decoder, BatcherConfig(max_batch=4)) as batcher:
         short = batcher.submit([7, 8], DecodeConfig(max_new_tokens=10, stop_on_eos=False))
         long = batcher.submit(prompt, DecodeConfig(max_new_tokens=60, stop_on_eos=False))

@@ -172,7 +172,8 @@ def test_running_ahead_decodes_what_reading_each_step_first_does(monkeypatch, me
         return [(o.token_ids, o.step_tokens, o.steps, o.finish_reason) for o in outs], progress, len(queued)
 
     for settings in ({}, {"temperature": 0.9, "top_p": 0.95, "seed": 7}):
-        (read_first, stream_first, steps), (ahead, stream_ahead, queued_ahead) = run("0", **settings), run("1", **settings)
+        read_first, stream_first, steps = run("0", **settings)
+        ahead, stream_ahead, queued_ahead = run("1", **settings)
         assert ahead == read_first and stream_ahead == stream_first, settings
         assert steps < queued_ahead <= steps + 2  # one step more at most, for each of the two calls
     assert {out[3] for out in read_first} >= {"eos", "length"} and any(len(p) > 30 for p in prompts)

@@ -150,7 +150,9 @@ def decode(decoder: "Decoder", batch: list[list[int]], config: DecodeConfig) -> 
     try:
         with torch.no_grad():
             reset_rows(decoder, state, lengths, config)
-            prefill(decoder, batch, state, use_ppd, kind, compiles_prefill(mode, decoder.device),
+            # Where the policy runs no tree at this batch size, the prompt tokens are left out of the prefill too:
+            # PPD then runs the baseline's forwards exactly.
+            prefill(decoder, batch, state, tables is not None, kind, compiles_prefill(mode, decoder.device),
                     runner.prefill_graphs)
             report = state.report[:n].tolist()
         progress = Progress([[] for _ in batch], [0] * n, [[] for _ in batch], [None] * n)
