@@ -7,7 +7,8 @@ tuning, applied to PPD's appended prompt tokens). Real tokens are never touched,
 rows, and therefore lossless decoding, are unchanged.
 
 The offsets enter through forward hooks on the model's decoder layers (no copy of the model's code),
-installed once per model. A hook reads which rows of the current forward are prompt rows from a
+installed once per model (a training model whose layers are compiled adds them inside each compiled layer
+instead, :func:`add_to_output`, and the hooks stand aside while gradients are on). A hook reads which rows of the current forward are prompt rows from a
 :class:`LayerOffsets` object's ``rows`` ([B, Q] long: prompt-table row + 1, 0 for a real token) and the
 offsets from its ``table``, both set before the forward and cleared after it (training with gradient
 checkpointing keeps them until the backward has recomputed the forward). A decoding step sets them inside the
@@ -63,12 +64,15 @@ class LayerOffsets:
         self.rows: torch.Tensor | None = None
         self.table: DeepWeights | None = None
         self.selected: torch.Tensor | None = None
+        # Set by ``PromptTokenModel.compile_base``: with gradients on, the compiled layers add the offsets
+        # themselves (:func:`add_to_output`), inside their graph, and the hooks stand aside.
+        self.in_compiled_layers = False
         self.handles = [layer.register_forward_hook(self._hook(i)) for i, layer in enumerate(decoder_layers(model))]
         self.num_layers = len(self.handles)
 
     def _hook(self, index: int):
         def add(module, args, output):
-            if self.rows is None:
+            if self.rows is None or (self.in_compiled_layers and torch.is_grad_enabled()):
                 return output
             hidden = output[0] if isinstance(output, tuple) else output
             if self.rows.shape != hidden.shape[:2]:
@@ -76,23 +80,37 @@ class LayerOffsets:
                 raise RuntimeError(f"deep prompt tokens were told about the prompt rows of a {told} forward during "
                                    f"a {seen} one: set LayerOffsets.rows before each forward (None where it has "
                                    "no prompt rows)")
-            table, dtype = self.table, hidden.dtype
-            # A lookup whose gradient skips row 0 (every real token's): an indexing gather's backward adds the
-            # gradients of all B x Q rows into the few table rows one duplicate at a time, which took 80 % of
-            # a training step's device time (results/train/profile/).
-            moved = hidden + nn.functional.embedding(self.rows, table.offsets[index].to(dtype), padding_idx=0)
-            if table.down is not None:
-                own = (hidden @ table.down[index].to(dtype)) * self.selected.to(dtype)
-                moved = moved + own @ table.up[index].to(dtype)
-            hidden = moved
-            return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+            return add_to_output(output, self.layer_inputs(index))
         return add
+
+    def layer_inputs(self, index: int) -> tuple:
+        """What layer ``index`` adds, as tensors (:func:`add_to_output`'s ``inputs``): the rows, the layer's
+        offsets, and its maps with each row's block selector (None without maps)."""
+        table = self.table
+        if table.down is None:
+            return self.rows, table.offsets[index], None, None, None
+        return self.rows, table.offsets[index], table.down[index], table.up[index], self.selected
 
     def set(self, rows: torch.Tensor | None, table: DeepWeights | None) -> None:
         """What the next forward adds: ``table`` at ``rows`` (None, None: nothing)."""
         self.rows, self.table = rows, table
         # Each row's block selector for the maps, looked up once for every layer of the forward.
         self.selected = None if rows is None or table.down is None else table.select[rows]
+
+
+def add_to_output(output, inputs: tuple):
+    """A decoder layer's ``output`` (its hidden states, or a tuple that starts with them) with the deep prompt
+    tokens' change added at the prompt rows; ``inputs`` from :meth:`LayerOffsets.layer_inputs`."""
+    rows, offsets, down, up, selected = inputs
+    hidden = output[0] if isinstance(output, tuple) else output
+    dtype = hidden.dtype
+    # A lookup whose gradient skips row 0 (every real token's): an indexing gather's backward adds the gradients
+    # of all B x Q rows into the few table rows one duplicate at a time, which took 80 % of a training step's
+    # device time (results/train/profile/).
+    moved = hidden + nn.functional.embedding(rows, offsets.to(dtype), padding_idx=0)
+    if down is not None:
+        moved = moved + ((hidden @ down.to(dtype)) * selected.to(dtype)) @ up.to(dtype)
+    return (moved, *output[1:]) if isinstance(output, tuple) else moved
 
 
 def layer_offsets(model) -> LayerOffsets:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .attention import plan_free_sdpa
-from .deep_prompts import decoder_layers, deep_weights, hooks_for
+from .deep_prompts import LayerOffsets, add_to_output, decoder_layers, deep_weights, hooks_for
 from .losses import cross_entropy_loss, distillation_loss
 from .prefill import PrefillPlan, average_copies, plan_prefill, prefill_inputs
 from .prompt_tokens import TENSOR_NAME, PromptTokens
@@ -45,9 +45,20 @@ class Objective(str, Enum):
             raise ValueError(f"unknown trainer type {name!r}; choose distillation or cross_entropy") from None
 
 
-def _compiled_while_training(compiled, eager, *args, **kwargs):
-    """A decoder layer's forward after ``PromptTokenModel.compile_base``: compiled with gradients on, else eager."""
-    return (compiled if torch.is_grad_enabled() else eager)(*args, **kwargs)
+def _compiled_while_training(compiled, eager, hooks: LayerOffsets | None, index: int, *args, **kwargs):
+    """Decoder layer ``index``'s forward after ``PromptTokenModel.compile_base``: with gradients on, compiled
+    together with the deep prompt tokens' change to its output (their ``hooks`` then stand aside); else eager."""
+    if not torch.is_grad_enabled():
+        return eager(*args, **kwargs)
+    inputs = hooks.layer_inputs(index) if hooks is not None and hooks.rows is not None else None
+    return compiled(eager, inputs, *args, **kwargs)
+
+
+def _layer_and_offsets(forward, inputs: tuple | None, *args, **kwargs):
+    """What ``compile_base`` compiles: a layer's ``forward``, then the deep prompt tokens' change to its output
+    (``inputs``: ``LayerOffsets.layer_inputs``, tensors only, so that every layer shares the compiled graph)."""
+    output = forward(*args, **kwargs)
+    return output if inputs is None else add_to_output(output, inputs)
 
 
 class PromptTokenModel(nn.Module):
@@ -78,13 +89,18 @@ class PromptTokenModel(nn.Module):
         every batch width (a batch of one row, as torch specialises a size of one, compiles once more). Compiling
         the whole model instead traces every layer one after another: 82 s against 3 s for the default model on
         a 2-core CPU, 4-4.5 minutes at each new batch size on an H200's host (``results/train/profile/``). The
-        deep prompt tokens' hooks, the embeddings, the final norm and the head run eagerly around the compiled
+        deep prompt tokens' change to each layer's output is compiled with the layer (its tensors are the graph's
+        inputs too), so Inductor fuses it with the layer's own kernels instead of launching its operations one by
+        one between them; the embeddings, the final norm and the head run eagerly around the compiled
         layers; the prompt-token inputs are built on the host each step."""
         if self.compiled:
             return
-        for layer in decoder_layers(self.base_model):
-            compiled = torch.compile(layer.forward, dynamic=True, backend=backend or "inductor", mode=mode)
-            layer.forward = functools.partial(_compiled_while_training, compiled, layer.forward)
+        compiled = torch.compile(_layer_and_offsets, dynamic=True, backend=backend or "inductor", mode=mode)
+        for index, layer in enumerate(decoder_layers(self.base_model)):
+            layer.forward = functools.partial(_compiled_while_training, compiled, layer.forward, self.layer_offsets,
+                                              index)
+        if self.layer_offsets is not None:
+            self.layer_offsets.in_compiled_layers = True
         self.compiled = True
 
     def gradient_checkpointing_enable(self, **kwargs) -> None:

@@ -123,3 +123,37 @@ def test_replayed_graphs_give_the_eager_step_on_a_gpu():
     gaps = captured.gap_seconds()  # between them: the eager steps run there
     assert len(gaps) == 5 and all(0 < gap < 60 for gap in gaps)
     assert [type(node).__name__ for node in accumulators] == ["AccumulateGrad"] * 4  # embeddings, offsets, maps
+
+
+def test_compiled_layers_add_the_deep_offsets_inside_their_graph(monkeypatch):
+    """``compile_base`` compiles each decoder layer together with the deep prompt tokens' change to its output
+    (offsets and low-rank maps): the one graph traced holds the offsets' lookup and the maps' products, the hooks
+    stand aside while gradients are on (nothing added twice), and losses and gradients are the eager model's;
+    without gradients (evaluation) the layers and hooks run eagerly, as before."""
+    from ppd import deep_prompts
+
+    model = tiny_model("llama", vocab=VOCAB)
+    trainer = PromptTokenModel(model, random_prompt_tokens(model, n=3, v=1, seed=5, deep=True, rank=2))
+    batch = PromptTokenCollator()(_features(torch.Generator().manual_seed(1), [(30, [5, 17, 30]), (12, [12])], 3))
+    expected_loss, expected_grads = _eager(trainer, batch)
+    graphs, calls = [], []
+
+    def backend(graph, example_inputs):  # keeps what dynamo traced, runs it as traced
+        graphs.append(graph)
+        return graph.forward
+
+    torch._dynamo.reset()
+    trainer.compile_base(backend=backend)
+    real = deep_prompts.add_to_output
+    monkeypatch.setattr(deep_prompts, "add_to_output", lambda *args: calls.append(1) or real(*args))  # the hooks'
+    loss, grads = _eager(trainer, batch)
+    assert not calls  # with gradients on the hooks stood aside
+    with torch.no_grad():
+        trainer(**batch)
+    assert len(calls) == model.config.num_hidden_layers  # without them, the hooks added the offsets
+    assert len(graphs) == 1  # one graph for every layer
+    targets = [str(node.target) for node in graphs[0].graph.nodes]
+    assert any("embedding" in t for t in targets) and sum("matmul" in t for t in targets) >= 2, targets
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
+    for grad, expected in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-6)

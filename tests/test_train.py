@@ -512,8 +512,8 @@ def test_the_training_step_profile_reports_every_variant_and_batch_size(tiny_set
 
 
 def test_torch_compile_trains_what_the_eager_base_model_trains(tiny_setup, tmp_path):
-    """``--torch_compile`` compiles the base model's decoder layers (every size dynamic; the deep tokens' hooks and
-    maps run eagerly between them): one graph serves every layer and the four steps' different widths, the prompt
+    """``--torch_compile`` compiles the base model's decoder layers (every size dynamic; each with the deep tokens'
+    offsets and maps): one graph serves every layer and the four steps' different widths, the prompt
     tokens end as those of the eager run, and the Trainer's own compile of the whole module stays off."""
     common = ["--max_steps", "4", "--deep", "--map_rank", "2", "--save_strategy", "no"]
     assert run_tiny(tiny_setup, tmp_path / "eager", *common) == 0
