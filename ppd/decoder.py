@@ -303,11 +303,15 @@ class Decoder:
             for name in prefills:
                 for _ in decode(self, [[0, 0]] * size, DecodeConfig(method=name, max_new_tokens=1, capture=mode)):
                     pass
-            if runner.prefill_graphs is not None:  # a prefill graph for every width bucket, each method
+            if runner.prefill_graphs is not None and not compiles_prefill(mode, self.device):
+                # A prefill graph for every width bucket, each way of prefilling.
                 state = self.states.acquire(bucket)
                 slots = state.capacity  # (the buckets run up to the state's slots, past the capacity)
                 self.states.release(state)
-                for name in (["ppd"] if use_ppd else []) + (["baseline"] if "baseline" in methods else []):
+                # PPD prefills with its prompt rows where the bucket has a tree, else as the baseline does.
+                with_rows = use_ppd and tables is not None
+                for name in (["ppd"] if with_rows else []) + (["baseline"] if "baseline" in methods or not with_rows
+                                                              else []):
                     rows = self.prompt_tokens.config.num_rows if name == "ppd" else 0
                     for width in bucket_widths(size, slots):
                         length = min(width - rows, self.capacity - 1)  # the longest prompt of this bucket

@@ -6,14 +6,14 @@ layer l, row r of the prompt table has ``offsets[l, r]`` added to its hidden sta
 tuning, applied to PPD's appended prompt tokens). Real tokens are never touched, so the base model's own
 rows, and therefore lossless decoding, are unchanged.
 
-The offsets enter through forward hooks on the model's decoder layers (no copy of the model's code),
-installed once per model (a training model whose layers are compiled adds them inside each compiled layer
-instead, :func:`add_to_output`, and the hooks stand aside while gradients are on). A hook reads which rows of the current forward are prompt rows from a
-:class:`LayerOffsets` object's ``rows`` ([B, Q] long: prompt-table row + 1, 0 for a real token) and the
-offsets from its ``table``, both set before the forward and cleared after it (training with gradient
-checkpointing keeps them until the backward has recomputed the forward). A decoding step sets them inside the
-compiled or captured step from its own inputs, so the offsets are part of the graph and a new decoder with
-other prompt tokens compiles nothing again.
+The offsets enter through forward hooks on the model's decoder layers (no copy of the model's code), installed
+once per model (a training model whose layers are compiled adds them inside each compiled layer instead,
+:func:`add_to_output`, and the hooks stand aside while gradients are on). A hook reads which rows of the current
+forward are prompt rows from a :class:`LayerOffsets` object's ``rows`` ([B, Q] long: prompt-table row + 1, 0 for
+a real token) and the offsets from its ``table``, both set before the forward and cleared after it (training with
+gradient checkpointing keeps them until the backward has recomputed the forward). A decoding step sets them
+inside the compiled or captured step from its own inputs, so the offsets are part of the graph and a new decoder
+with other prompt tokens compiles nothing again.
 
 With ``map_rank`` r > 0 each prompt-table row also has a low-rank map of its hidden state, per layer: after
 layer l, row r's hidden state h gains ``(h @ down[l])[block r] @ up[l][block r]`` (``down`` [layers, hidden,
