@@ -21,7 +21,7 @@ from .config import MAX_EOS_IDS, CaptureMode, DecodeConfig, StepAttention
 from .decoding.graphs import Capture, StepRunner, captures_graphs, compiles_prefill, resolve_mode
 from .decoding.loop import PromptTooLongError, batch_bucket, decode, steps_to_prepare, whole_width
 from .decoding.packed_linear import pack_linears
-from .decoding.prefill_graphs import bucket_width, bucket_widths
+from .decoding.prefill_graphs import warm_prompt_lengths
 from .decoding.state import DecodeState, StatePool
 from .decoding.step import LanguageModel, StepKind
 from .decoding.support import UnsupportedModelError, checked_tree_attention
@@ -313,12 +313,10 @@ class Decoder:
                 for name in (["ppd"] if with_rows else []) + (["baseline"] if "baseline" in methods or not with_rows
                                                               else []):
                     rows = self.prompt_tokens.config.num_rows if name == "ppd" else 0
-                    for width in bucket_widths(size, slots):
-                        length = min(width - rows, self.capacity - 1)  # the longest prompt of this bucket
-                        if length >= 1 and bucket_width(length + rows, size, slots) == width:
-                            for _ in decode(self, [[0] * length] * size,
-                                            DecodeConfig(method=name, max_new_tokens=1, capture=mode)):
-                                pass
+                    for length in warm_prompt_lengths(rows, size, slots, self.capacity):
+                        for _ in decode(self, [[0] * length] * size,
+                                        DecodeConfig(method=name, max_new_tokens=1, capture=mode)):
+                            pass
             state = self.states.acquire(bucket)
             try:
                 top = min(max_width or state.capacity, state.capacity)

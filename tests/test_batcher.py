@@ -44,6 +44,34 @@ def test_requests_joining_and_leaving_decode_what_they_decode_alone(decoder, met
     assert any(r.accept_length > 1 for r in results)
 
 
+def test_requests_prefilled_in_the_staging_row_decode_what_they_decode_alone():
+    """Where prefills replay CUDA graphs (here their padded buffers, run without capture on the CPU), a joining
+    request is prefilled alone into a one-row staging state and its row copied into the batch: requests joining
+    and leaving, greedy and seeded sampled, PPD and the baseline, decode what they decode alone on a decoder that
+    prefills them exactly; every admission went through the staging rows' buffers (one row, a width bucket)."""
+    from ppd.decoding.prefill_graphs import PrefillGraphs
+
+    model = tiny_model(seed=3)
+    tokens, trees = random_prompt_tokens(model, 3, 1, seed=3), random_tree_set(seed=7, size=12)
+    staged, exact = (Decoder(model, tokens, trees, eos_token_ids=[5]) for _ in range(2))
+    reqs = requests(5, 10) + [([7] * 70, 12)]  # (a prompt past the first width bucket)
+    configs = [DecodeConfig(method="baseline" if i % 4 == 1 else "ppd", max_new_tokens=n, seed=i,
+                            temperature=0.9 if i % 3 == 0 else 0.0) for i, (_, n) in enumerate(reqs)]
+    graphs = PrefillGraphs(capture=False)
+    batcher = ContinuousBatcher(staged, BatcherConfig(max_batch=3))
+    batcher._runner.prefill_graphs = graphs  # as a captured runner on a GPU has them
+    with batcher:
+        streams = [batcher.submit(ids, config) for (ids, _), config in zip(reqs, configs)]
+        results = [s.result(timeout=120) for s in streams]
+    for (ids, _), config, result in zip(reqs, configs, results):
+        alone = exact.generate(ids, config)
+        assert (result.token_ids, result.finish_reason) == (alone.token_ids, alone.finish_reason)
+    lanes = list(batcher._lanes.values())
+    assert len(lanes) == 2 and all(lane.staging is not None for lane in lanes)
+    assert {key[0] for key in graphs._graphs} == {id(lane.staging) for lane in lanes}
+    assert {key[1:3] for key in graphs._graphs} == {(1, 64), (1, 128)}
+
+
 def test_greedy_and_seeded_sampled_requests_share_a_batch(decoder):
     reqs = requests(2, 6)
     configs = [DecodeConfig(max_new_tokens=n, temperature=0.0 if i % 2 else 0.9, top_p=1.0 if i % 3 else 0.8,

@@ -56,6 +56,18 @@ def bucket_widths(rows: int, capacity: int) -> list[int]:
     return widths
 
 
+def warm_prompt_lengths(prompt_rows: int, rows: int, slots: int, capacity: int) -> list[int]:
+    """A prompt length for every width bucket of ``rows`` rows over ``slots`` cache slots (the longest that falls
+    in it; a prompt leaves room for a token of the decoder's ``capacity``), with ``prompt_rows`` prompt rows after
+    it: prefilling one of each captures every graph ahead of the requests."""
+    lengths = []
+    for width in bucket_widths(rows, slots):
+        length = min(width - prompt_rows, capacity - 1)
+        if length >= 1 and bucket_width(length + prompt_rows, rows, slots) == width:
+            lengths.append(length)
+    return lengths
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph | None  # None: run eagerly (no capture)
@@ -134,4 +146,4 @@ class PrefillGraphs:
         return found
 
 
-__all__ = ["MAX_TOKENS", "MIN_WIDTH", "PrefillGraphs", "bucket_width", "bucket_widths"]
+__all__ = ["MAX_TOKENS", "MIN_WIDTH", "PrefillGraphs", "bucket_width", "bucket_widths", "warm_prompt_lengths"]

@@ -92,10 +92,15 @@ class DecodeState:
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         """Copy row ``src`` (its first ``length`` cache slots and every per-row buffer) into row ``dst``."""
-        for tensor in self.row_tensors():
-            tensor[dst] = tensor[src]
-        for buffer in self.kv.buffers():
-            buffer[dst, :, :length] = buffer[src, :, :length]
+        self.copy_row_from(self, src, dst, length)
+
+    def copy_row_from(self, source: "DecodeState", src: int, dst: int, length: int) -> None:
+        """Copy row ``src`` of ``source`` (a state of the same decoder: its first ``length`` cache slots and every
+        per-row buffer) into row ``dst`` of this one."""
+        for mine, theirs in zip(self.row_tensors(), source.row_tensors()):
+            mine[dst] = theirs[src]
+        for mine, theirs in zip(self.kv.buffers(), source.kv.buffers()):
+            mine[dst, :, :length] = theirs[src, :, :length]
 
     def vacate(self, row: int) -> None:
         """Make ``row`` inert padding: finished, empty, with a valid tree key."""

@@ -31,6 +31,7 @@ import torch
 from ..config import CaptureMode, DecodeConfig, DecodeMethod
 from ..decoding.graphs import captures_graphs, compiles_prefill, resolve_mode
 from ..decoding.loop import batch_bucket, prefill, reset_rows, run_step, steps_to_prepare, whole_width
+from ..decoding.prefill_graphs import warm_prompt_lengths
 from ..decoding.state import REASONS, REPORT_HEAD, RUNNING, DecodeState
 from ..decoding.step import StepKind
 from .stream import EngineClosedError, QueueFullError, Stream
@@ -120,6 +121,8 @@ class ContinuousBatcher:
                 view = lane.view(bucket)
                 if not lane.state.kv.allocated:
                     lane.allocate()
+                    if lane.staging is not None:
+                        lane.warm_prefills()
                 for tree, widths in steps_to_prepare(self.decoder, tables, bucket, view.capacity, self._whole):
                     with torch.no_grad():
                         self._runner.prepare(tables if tree else None, lane.prompt_embeds(tables if tree else None),
@@ -263,6 +266,12 @@ class _Lane:
         self.state: DecodeState = decoder._new_state(self.batcher._bucket(self.batcher.config.max_batch))
         reset_rows(decoder, self.state, [], DecodeConfig())  # every row starts as finished padding
         self._views: dict[int, DecodeState] = {}
+        # Where prefills replay CUDA graphs (``decoding.prefill_graphs``), a joining request is prefilled alone
+        # into this one-row state, whose graphs serve every admission, and its row copied into the batch: a
+        # graph made for the batch's own rows would serve only the rows it was captured at.
+        graphs = self.batcher._runner.prefill_graphs
+        self.staging: DecodeState | None = (decoder._new_state(1) if graphs is not None
+                                            and not self.batcher._compiled_prefill else None)
 
     def view(self, bucket: int) -> DecodeState:
         """The state's first ``bucket`` rows; the same object each time (graphs are keyed by it)."""
@@ -289,9 +298,27 @@ class _Lane:
                         batcher._compiled_prefill)
             for row in range(max(sizes)):
                 self.state.vacate(row)
+            if self.staging is not None:  # its first prefill allocates its cache (eagerly)
+                self.prefill_alone(_Pending(None, [0, 0], DecodeConfig(max_new_tokens=1, stop_on_eos=False)))
+
+    def prefill_alone(self, pending: "_Pending") -> None:
+        """Prefill one request into the staging row (through a graph where one is captured or fits)."""
+        decoder = self.batcher.decoder
+        reset_rows(decoder, self.staging, [len(pending.ids)], pending.config)
+        prefill(decoder, [pending.ids], self.staging, self.use_ppd, StepKind.of(False, [pending.config]),
+                graphs=self.batcher._runner.prefill_graphs)
+
+    def warm_prefills(self) -> None:
+        """Capture the staging row's prefill graph at every width bucket (no request waits on a capture)."""
+        decoder = self.batcher.decoder
+        rows = decoder.prompt_tokens.config.num_rows if self.use_ppd else 0
+        with torch.no_grad():
+            for length in warm_prompt_lengths(rows, 1, self.staging.capacity, decoder.capacity):
+                self.prefill_alone(_Pending(None, [0] * length, DecodeConfig(max_new_tokens=1, stop_on_eos=False)))
 
     def admit(self, joining: list[_Pending]) -> None:
-        """Prefill the joining requests, together, into the rows after the running ones."""
+        """Prefill the joining requests into the rows after the running ones: together, or, with a staging row
+        (prefills replayed from graphs), one by one, each row then copied into the batch."""
         decoder = self.batcher.decoder
         start = len(self.rows)
         with torch.no_grad():
@@ -300,8 +327,16 @@ class _Lane:
                 reset_rows(decoder, self.state.rows(start + i, start + i + 1), [len(pending.ids)], pending.config)
                 pending.stream._started_now()
             view = self.state.rows(start, start + len(joining))
-            kind = StepKind.of(False, [p.config for p in joining])
-            prefill(decoder, [p.ids for p in joining], view, self.use_ppd, kind, self.batcher._compiled_prefill)
+            if self.staging is not None:
+                if not self.state.kv.allocated:
+                    self.allocate()
+                for i, pending in enumerate(joining):
+                    self.prefill_alone(pending)
+                    self.state.kv.reserve(len(pending.ids))
+                    self.state.copy_row_from(self.staging, 0, start + i, len(pending.ids))
+            else:
+                kind = StepKind.of(False, [p.config for p in joining])
+                prefill(decoder, [p.ids for p in joining], view, self.use_ppd, kind, self.batcher._compiled_prefill)
             report = view.report.tolist()
         self.batcher.steps_run += 1
         for pending, line in zip(joining, report):
