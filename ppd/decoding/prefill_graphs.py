@@ -84,6 +84,7 @@ class PrefillGraphs:
         self._graphs: dict[tuple, _Graph] = {}
         self._pool = None
         self.captures: list[tuple[int, int, float]] = []  # (rows, width, seconds) of each capture
+        self.refused: str | None = None  # why this model's prefill cannot be captured (then every prefill is eager)
 
     def logits(self, decoder, batch: list[list[int]], state, table: torch.Tensor | None, n_prompt: int,
                num_ensemble: int, attention, prefill_logits) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -92,14 +93,16 @@ class PrefillGraphs:
         or None where the prefill is too wide to capture (the caller runs it eagerly)."""
         n, n_rows = len(batch), n_prompt * num_ensemble
         width = bucket_width(max(len(x) for x in batch) + n_rows, n, state.kv.capacity)
-        if width is None:
+        if width is None or self.refused is not None:
             return None
         plan = plan_prefill(batch, n_prompt, num_ensemble, width_multiple=width, read_prompt_rows=table is not None)
         key = (id(state), n, width, n_prompt, num_ensemble, str(attention), table is None)
         found = self._graphs.get(key)
         if found is None:
-            found = self._graphs[key] = self._make(decoder, plan, state, table, n_prompt, num_ensemble, attention,
-                                                   prefill_logits)
+            found = self._make(decoder, plan, state, table, n_prompt, num_ensemble, attention, prefill_logits)
+            if found is None:
+                return None
+            self._graphs[key] = found
         for name in PLAN_FIELDS:
             found.inputs[name].copy_(getattr(plan, name), non_blocking=True)
         found.inputs["read"].copy_(plan.keep[plan.where], non_blocking=True)
@@ -121,7 +124,11 @@ class PrefillGraphs:
                                   made.prompt_rows)
 
     def _make(self, decoder, plan: PrefillPlan, state, table, n_prompt, num_ensemble, attention,
-              prefill_logits) -> _Graph:
+              prefill_logits) -> _Graph | None:
+        """The buffers (and, capturing, the graph) of a new key; None where the model's prefill cannot be captured:
+        its eager forward waits for the device somewhere (a rotary embedding that reads its longest position back,
+        say), which a graph cannot hold. The warm-up forward runs with torch's sync debug mode set to raise, so
+        such a model is found before any capture; from then on its prefills run eagerly, as before."""
         device = state.lengths.device
         inputs = {name: getattr(plan, name).to(device) for name in PLAN_FIELDS}
         inputs["read"] = plan.keep[plan.where].to(device)
@@ -131,14 +138,28 @@ class PrefillGraphs:
         start = time.perf_counter()
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):  # cuBLAS and the attention kernels initialised outside the capture
-            self._forward(decoder, found, state, n_prompt, num_ensemble, attention, prefill_logits)
-        torch.cuda.current_stream(device).wait_stream(side)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        found.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(found.graph, pool=self._pool):
-            found.output = self._forward(decoder, found, state, n_prompt, num_ensemble, attention, prefill_logits)
+        before = torch.cuda.get_sync_debug_mode()
+        try:
+            with torch.cuda.stream(side):  # cuBLAS and the attention kernels initialised outside the capture
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    self._forward(decoder, found, state, n_prompt, num_ensemble, attention, prefill_logits)
+                finally:
+                    torch.cuda.set_sync_debug_mode(before)
+            torch.cuda.current_stream(device).wait_stream(side)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            found.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(found.graph, pool=self._pool):
+                found.output = self._forward(decoder, found, state, n_prompt, num_ensemble, attention,
+                                             prefill_logits)
+        except RuntimeError as error:
+            torch.cuda.current_stream(device).wait_stream(side)
+            torch.cuda.synchronize(device)
+            self.refused = str(error).splitlines()[0] if str(error) else type(error).__name__
+            logger.warning("prefills run eagerly: this model's prefill cannot be captured in a CUDA graph (%s)",
+                           self.refused)
+            return None
         torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start
         self.captures.append((plan.ids.shape[0], plan.width, seconds))
