@@ -299,13 +299,14 @@ class _Lane:
             for row in range(max(sizes)):
                 self.state.vacate(row)
             if self.staging is not None:  # its first prefill allocates its cache (eagerly)
-                self.prefill_alone(_Pending(None, [0, 0], DecodeConfig(max_new_tokens=1, stop_on_eos=False)))
+                self.prefill_alone([0, 0], DecodeConfig(max_new_tokens=1, stop_on_eos=False))
 
-    def prefill_alone(self, pending: "_Pending") -> None:
-        """Prefill one request into the staging row (through a graph where one is captured or fits)."""
+    def prefill_alone(self, ids: list[int], config: DecodeConfig) -> None:
+        """Reset the staging row for one request and prefill it there (through a graph where one is captured or
+        fits): the row then holds everything the request's row of the batch needs."""
         decoder = self.batcher.decoder
-        reset_rows(decoder, self.staging, [len(pending.ids)], pending.config)
-        prefill(decoder, [pending.ids], self.staging, self.use_ppd, StepKind.of(False, [pending.config]),
+        reset_rows(decoder, self.staging, [len(ids)], config)
+        prefill(decoder, [ids], self.staging, self.use_ppd, StepKind.of(False, [config]),
                 graphs=self.batcher._runner.prefill_graphs)
 
     def warm_prefills(self) -> None:
@@ -314,7 +315,7 @@ class _Lane:
         rows = decoder.prompt_tokens.config.num_rows if self.use_ppd else 0
         with torch.no_grad():
             for length in warm_prompt_lengths(rows, 1, self.staging.capacity, decoder.capacity):
-                self.prefill_alone(_Pending(None, [0] * length, DecodeConfig(max_new_tokens=1, stop_on_eos=False)))
+                self.prefill_alone([0] * length, DecodeConfig(max_new_tokens=1, stop_on_eos=False))
 
     def admit(self, joining: list[_Pending]) -> None:
         """Prefill the joining requests into the rows after the running ones: together, or, with a staging row
@@ -322,19 +323,21 @@ class _Lane:
         decoder = self.batcher.decoder
         start = len(self.rows)
         with torch.no_grad():
-            for i, pending in enumerate(joining):
-                # Reset alone, as a request of one row: its seed (and so its samples) are those it has alone.
-                reset_rows(decoder, self.state.rows(start + i, start + i + 1), [len(pending.ids)], pending.config)
+            for pending in joining:
                 pending.stream._started_now()
             view = self.state.rows(start, start + len(joining))
             if self.staging is not None:
                 if not self.state.kv.allocated:
                     self.allocate()
-                for i, pending in enumerate(joining):
-                    self.prefill_alone(pending)
+                for i, pending in enumerate(joining):  # every per-row buffer comes from the staging row
+                    self.prefill_alone(pending.ids, pending.config)
                     self.state.kv.reserve(len(pending.ids))
                     self.state.copy_row_from(self.staging, 0, start + i, len(pending.ids))
             else:
+                for i, pending in enumerate(joining):
+                    # Reset alone, as a request of one row: its seed (and so its samples) are those it has alone.
+                    reset_rows(decoder, self.state.rows(start + i, start + i + 1), [len(pending.ids)],
+                               pending.config)
                 kind = StepKind.of(False, [p.config for p in joining])
                 prefill(decoder, [p.ids for p in joining], view, self.use_ppd, kind, self.batcher._compiled_prefill)
             report = view.report.tolist()
