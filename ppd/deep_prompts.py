@@ -109,24 +109,8 @@ def add_to_output(output, inputs: tuple):
     # device time (results/train/profile/).
     moved = hidden + nn.functional.embedding(rows, offsets.to(dtype), padding_idx=0)
     if down is not None:
-        moved = moved + low_rank_change(hidden, down.to(dtype), up.to(dtype), selected.to(dtype))
+        moved = moved + ((hidden @ down.to(dtype)) * selected.to(dtype)) @ up.to(dtype)
     return (moved, *output[1:]) if isinstance(output, tuple) else moved
-
-
-def low_rank_change(hidden: torch.Tensor, down: torch.Tensor, up: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
-    """The maps' change ``((hidden @ down) * selected) @ up``.
-
-    Inside a compiled forward without gradients (a decoding step) the two products are written as sums over
-    broadcast products: ``down`` and ``up`` have a few dozen columns, so Inductor fuses the sums into the
-    kernels around them (the layer's last addition, the next normalisation), where each matrix product was
-    a library call of its own, two more kernels in every layer of every step. With gradients on (training's
-    compiled layers) and outside compilation (where a broadcast product would be materialised) they stay
-    matrix products.
-    """
-    if torch.compiler.is_compiling() and not torch.is_grad_enabled():
-        small = (hidden[..., :, None] * down).sum(-2) * selected
-        return (small[..., :, None] * up).sum(-2)
-    return ((hidden @ down) * selected) @ up
 
 
 def layer_offsets(model) -> LayerOffsets:
