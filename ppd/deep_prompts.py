@@ -64,6 +64,7 @@ class LayerOffsets:
         self.rows: torch.Tensor | None = None
         self.table: DeepWeights | None = None
         self.selected: torch.Tensor | None = None
+        self.layers: list[tuple] | None = None  # per layer: its offsets, down and up maps (views of ``table``)
         # Set by ``PromptTokenModel.compile_base``: with gradients on, the compiled layers add the offsets
         # themselves (:func:`add_to_output`), inside their graph, and the hooks stand aside.
         self.in_compiled_layers = False
@@ -86,16 +87,20 @@ class LayerOffsets:
     def layer_inputs(self, index: int) -> tuple:
         """What layer ``index`` adds, as tensors (:func:`add_to_output`'s ``inputs``): the rows, the layer's
         offsets, and its maps with each row's block selector (None without maps)."""
-        table = self.table
-        if table.down is None:
-            return self.rows, table.offsets[index], None, None, None
-        return self.rows, table.offsets[index], table.down[index], table.up[index], self.selected
+        offsets, down, up = self.layers[index]
+        return self.rows, offsets, down, up, self.selected
 
     def set(self, rows: torch.Tensor | None, table: DeepWeights | None) -> None:
         """What the next forward adds: ``table`` at ``rows`` (None, None: nothing)."""
         self.rows, self.table = rows, table
         # Each row's block selector for the maps, looked up once for every layer of the forward.
         self.selected = None if rows is None or table.down is None else table.select[rows]
+        # Each layer's slice of the tables, cut once a forward by unbinding them: the backward then stacks every
+        # layer's gradient in one operation, where indexing each layer's slice made a zero tensor the size of the
+        # whole table for every layer and table and added them up (90 table-sized writes and additions a
+        # training step for the default model, whatever its batch).
+        self.layers = None if table is None else list(zip(*(
+            [None] * self.num_layers if t is None else t.unbind(0) for t in (table.offsets, table.down, table.up))))
 
 
 def add_to_output(output, inputs: tuple):

@@ -25,8 +25,8 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 
 
 def tiny_model(arch: str = "llama", vocab: int = TINY_VOCAB, seed: int = 0, max_positions: int = 512,
-               window: int | None = None, tie_word_embeddings: bool = False):
-    """A 2-layer causal LM with random weights. Small vocabularies make guesses often right. ``window``
+               window: int | None = None, tie_word_embeddings: bool = False, layers: int = 2):
+    """A causal LM of ``layers`` layers (default 2) with random weights. Small vocabularies make guesses often right. ``window``
     turns on sliding-window attention where the architecture has it: every layer for Mistral and Phi-3, the
     second layer for Qwen2 (``max_window_layers=1``) and Gemma 3, Gemma 2's own alternation. GPT-NeoX has
     its own field names, no grouped keys and rotary embeddings on half of each head (``partial_rotary_factor``);
@@ -34,7 +34,7 @@ def tiny_model(arch: str = "llama", vocab: int = TINY_VOCAB, seed: int = 0, max_
     from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GPTNeoXConfig, LlamaConfig,
                               MistralConfig, Phi3Config, Qwen2Config)
 
-    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
                   tie_word_embeddings=tie_word_embeddings)
     if arch in ("mistral", "phi3") and window is not None:
@@ -44,7 +44,7 @@ def tiny_model(arch: str = "llama", vocab: int = TINY_VOCAB, seed: int = 0, max_
     elif arch in ("gemma2", "gemma3"):
         common.update(head_dim=8, query_pre_attn_scalar=8, sliding_window=window or 4096)
         if arch == "gemma3":
-            common.update(layer_types=["sliding_attention", "full_attention"])
+            common.update(layer_types=(["sliding_attention", "full_attention"] * layers)[:layers])
     if arch == "phi3":  # its defaults name special tokens of a 32K vocabulary
         common.update(pad_token_id=None, bos_token_id=1, eos_token_id=2)
     elif arch == "gpt_neox":

@@ -184,3 +184,32 @@ def test_hooks_told_about_another_forward_refuse_instead_of_adding_offsets_in_th
         model(input_ids=torch.tensor([BATCH[0]]))
     trainer.layer_offsets.set(None, None)
     model(input_ids=torch.tensor([BATCH[0]]))  # told there are none: the model's own forward
+
+
+def test_a_backward_writes_each_deep_table_once_not_once_a_layer():
+    """Each layer reads its slice of the offsets and maps; the backward must not build a table-sized gradient for
+    every layer and add them up (what indexing each layer's slice did: a fixed cost in every training step)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    layers = 6
+    model = tiny_model("llama", layers=layers)
+    trainer = PromptTokenModel(model, random_prompt_tokens(model, n=3, v=1, seed=1, deep=True, rank=2))
+    table = deep_weights(trainer.prompt_tokens)
+    shapes = {tuple(t.shape) for t in (table.offsets, table.down, table.up)}
+    logits, real = _all_logits(trainer)
+
+    class TableSized(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and tuple(out.shape) in shapes:
+                self.ops.append(func.overloadpacket.__name__)
+            return out
+
+    with TableSized() as mode:
+        logits[~real].sum().backward()
+    grads = [p.grad for p in trainer.prompt_tokens.tensors().values()]
+    assert all(g is not None and g.abs().sum() > 0 for g in grads)
+    assert len(mode.ops) < layers, mode.ops  # a few for the three tables, not one or two per layer and table
