@@ -29,7 +29,7 @@ T0=$(date +%s)
 left() { local l=$(( ${DEADLINE:-570} - ($(date +%s) - T0) )); (( l > ${PHASE_CAP:-540} )) && l=${PHASE_CAP:-540}; (( l < 1 )) && l=1; echo $l; }
 ADAPTER=ppd/adapters/smollm2-135m-instruct
 T=results/train/v7/runs/maps16-lr3e-3-e3/trees
-TREES="$T/tree_8.json $T/tree_16.json $T/tree_32.json $T/tree_64.json $T/tree_128.json"
+TREES="$T/tree_8.json $T/tree_16.json $T/tree_32.json $T/tree_64.json $T/tree_128.json $T/tree_256.json"
 BATCHES="1 2 4 8 16 32 64 128"
 ENGINE="--dtype bfloat16 --capture compiled_graph"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$R/logs/gpu.txt"
