@@ -26,11 +26,12 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 
 def tiny_model(arch: str = "llama", vocab: int = TINY_VOCAB, seed: int = 0, max_positions: int = 512,
                window: int | None = None, tie_word_embeddings: bool = False, layers: int = 2):
-    """A causal LM of ``layers`` layers (default 2) with random weights. Small vocabularies make guesses often right. ``window``
-    turns on sliding-window attention where the architecture has it: every layer for Mistral and Phi-3, the
-    second layer for Qwen2 (``max_window_layers=1``) and Gemma 3, Gemma 2's own alternation. GPT-NeoX has
-    its own field names, no grouped keys and rotary embeddings on half of each head (``partial_rotary_factor``);
-    ``tie_word_embeddings`` makes the head share the input embeddings' weight."""
+    """A causal LM of ``layers`` layers (default 2) with random weights. Small vocabularies make guesses often
+    right. ``window`` turns on sliding-window attention where the architecture has it: every layer for Mistral
+    and Phi-3, the second layer for Qwen2 (``max_window_layers=1``) and every second one for Gemma 3, Gemma 2's
+    own alternation. GPT-NeoX has its own field names, no grouped keys and rotary embeddings on half of each
+    head (``partial_rotary_factor``); ``tie_word_embeddings`` makes the head share the input embeddings'
+    weight."""
     from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GPTNeoXConfig, LlamaConfig,
                               MistralConfig, Phi3Config, Qwen2Config)
 
