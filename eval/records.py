@@ -14,12 +14,18 @@ from ppd.files import atomic_write_json
 
 
 def environment(device: torch.device) -> dict:
-    """Device name, thread count and library versions of a measurement."""
+    """Device name, thread count and library versions of a measurement, and the ``PPD_*`` switches it ran
+    under where any is set (``ppd_switches``: ``PPD_RUN_AHEAD``, ``PPD_PREFILL_GRAPHS``, ...), so that two
+    files of the same command measured two ways say which is which."""
     import transformers
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    return {"device": name, "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "transformers": transformers.__version__}
+    found = {"device": name, "threads": torch.get_num_threads(), "torch": torch.__version__,
+             "transformers": transformers.__version__}
+    switches = {key: value for key, value in sorted(os.environ.items()) if key.startswith("PPD_")}
+    if switches:
+        found["ppd_switches"] = switches
+    return found
 
 
 UNKNOWN = "unknown"  # a setting that a record of an earlier run does not carry

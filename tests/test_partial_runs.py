@@ -2,6 +2,7 @@
 (eval.records.PartialRun): eval.batch_speed on the real model, and the record's own rules."""
 
 import json
+import os
 
 import pytest
 
@@ -109,6 +110,25 @@ def test_partial_run_rules(tmp_path):
     with pytest.raises(SettingsMismatch, match="is not a JSON record"):
         PartialRun(path, settings)
     assert PartialRun(None, settings).measured() == []  # no output file: nothing kept, nothing written
+
+
+def test_records_name_the_ppd_switches_a_run_measured_under(tmp_path, monkeypatch):
+    import torch
+
+    from eval.records import environment, run_settings
+
+    for key in [k for k in os.environ if k.startswith("PPD_")]:
+        monkeypatch.delenv(key)
+    cpu = torch.device("cpu")
+    assert "ppd_switches" not in environment(cpu)  # nothing set: the record of earlier versions
+    args = batch_speed.make_parser().parse_args(["--batch_sizes", "1"])
+    before = run_settings(args, cpu, ("batch_sizes",))
+    path = tmp_path / "run.json"
+    PartialRun(path, before).add([{"batch_size": 1}])
+    monkeypatch.setenv("PPD_PREFILL_GRAPHS", "0")
+    assert environment(cpu)["ppd_switches"] == {"PPD_PREFILL_GRAPHS": "0"}
+    with pytest.raises(SettingsMismatch, match="ppd_switches"):  # a cut-off run is not finished the other way
+        PartialRun(path, run_settings(args, cpu, ("batch_sizes",)))
 
 
 def test_a_cut_off_batch_policy_pick_is_finished_and_installs_the_best_tree_per_bucket(tmp_path, monkeypatch):
