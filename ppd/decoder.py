@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import compile_cache
 from .config import MAX_EOS_IDS, CaptureMode, DecodeConfig, StepAttention
 from .decoding.graphs import Capture, StepRunner, captures_graphs, compiles_prefill, resolve_mode
 from .decoding.loop import PromptTooLongError, batch_bucket, decode, steps_to_prepare, whole_width
@@ -289,6 +290,7 @@ class Decoder:
         if mode is CaptureMode.EAGER:
             return 0.0
         start = time.perf_counter()
+        compile_cache.load()  # PPD_COMPILE_CACHE: what other processes compiled
         runner = self.runner(mode)
         use_ppd = "ppd" in methods and self.tables is not None
         method = "ppd" if use_ppd else "baseline"
@@ -329,6 +331,7 @@ class Decoder:
                 self.states.release(state)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        compile_cache.save()
         return time.perf_counter() - start
 
     # ------------------------------------------------------------------ public API
