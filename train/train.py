@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from ppd import compile_cache
 from ppd.config import AttentionType, PromptTokenConfig
 from ppd.dataset_info import DatasetType, PPDDatasetInfo
 from ppd.files import atomic_write_json
@@ -284,6 +285,7 @@ def compile_if_asked(model: PromptTokenModel, args) -> bool:
         return False
     model.compile_base(args.torch_compile_backend, args.torch_compile_mode)
     args.torch_compile, args.torch_compile_backend, args.torch_compile_mode = False, None, None
+    compile_cache.load()  # PPD_COMPILE_CACHE: layers another run compiled (ppd/compile_cache.py)
     return True
 
 
@@ -388,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"train: error: {error}", file=sys.stderr)
         return 1
     train_seconds = time.perf_counter() - started
+    if compiled and trainer.is_world_process_zero():
+        compile_cache.save()  # what this run compiled, for the next run (one process's: they compile alike)
     cuts_trained = trainer.total_cuts_trained()
     captured = trainer.captured_summary()
     final, ranks = {}, None
