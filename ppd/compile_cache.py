@@ -6,10 +6,11 @@ answers its first request. Inductor keeps what it compiled in a cache folder on 
 ``PPD_COMPILE_CACHE`` set, :meth:`ppd.decoder.Decoder.warmup` first hands torch every artifact file in the
 folder (``torch.compiler.load_cache_artifacts``: compiled graphs and kernels, which later compilations of the
 same graphs then find instead of compiling), and afterwards writes what this process compiled as one more file
-(``torch.compiler.save_cache_artifacts``), named by its contents, so the folder only grows by what is new and
-no process overwrites another's artifacts. Copy the folder to another machine of the same GPU, torch and Triton
-versions and its warm-ups compile nothing that the folder holds; an artifact of other versions is simply not
-found (torch checks its keys), never used wrongly. Dynamo still traces each step (seconds).
+(``torch.compiler.save_cache_artifacts``), named by its contents, so no process overwrites another's artifacts
+(a process whose warm-ups compile several times writes a file each time). Copy the folder to another
+machine of the same GPU, torch and Triton versions and its warm-ups compile nothing that the folder holds; an
+artifact of other versions is simply not found (torch checks its keys), never used wrongly. Dynamo still traces
+each step (seconds).
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ def save() -> Path | None:
     if not path.exists():
         atomic_write(path, lambda tmp: Path(tmp).write_bytes(data))
     _loaded.add(path.name)
+    # Each file is kept: a later one's bytes repeat the earlier ones', but torch (2.13) reads back only the last
+    # group of each kind of artifact in a file, so an earlier file is the only one that gives its artifacts.
     return path
 
 
