@@ -10,10 +10,10 @@ The offsets enter through forward hooks on the model's decoder layers (no copy o
 once per model (a training model whose layers are compiled adds them inside each compiled layer instead,
 :func:`add_to_output`, and the hooks stand aside while gradients are on). A hook reads which rows of the current
 forward are prompt rows from a :class:`LayerOffsets` object's ``rows`` ([B, Q] long: prompt-table row + 1, 0 for
-a real token) and the offsets from its ``table``, both set before the forward and cleared after it (training with
-gradient checkpointing keeps them until the backward has recomputed the forward). A decoding step sets them
-inside the compiled or captured step from its own inputs, so the offsets are part of the graph and a new decoder
-with other prompt tokens compiles nothing again.
+a real token) and the offsets from its ``layers`` (the table cut per layer), both set before the forward and
+cleared after it (training with gradient checkpointing keeps them until the backward has recomputed the forward).
+A decoding step sets them inside the compiled or captured step from its own inputs, so the offsets are part of
+the graph and a new decoder with other prompt tokens compiles nothing again.
 
 With ``map_rank`` r > 0 each prompt-table row also has a low-rank map of its hidden state, per layer: after
 layer l, row r's hidden state h gains ``(h @ down[l])[block r] @ up[l][block r]`` (``down`` [layers, hidden,
@@ -62,9 +62,8 @@ class LayerOffsets:
 
     def __init__(self, model):
         self.rows: torch.Tensor | None = None
-        self.table: DeepWeights | None = None
         self.selected: torch.Tensor | None = None
-        self.layers: list[tuple] | None = None  # per layer: its offsets, down and up maps (views of ``table``)
+        self.layers: list[tuple] | None = None  # per layer: its offsets, down and up maps (views of the table set)
         # Set by ``PromptTokenModel.compile_base``: with gradients on, the compiled layers add the offsets
         # themselves (:func:`add_to_output`), inside their graph, and the hooks stand aside.
         self.in_compiled_layers = False
@@ -92,7 +91,7 @@ class LayerOffsets:
 
     def set(self, rows: torch.Tensor | None, table: DeepWeights | None) -> None:
         """What the next forward adds: ``table`` at ``rows`` (None, None: nothing)."""
-        self.rows, self.table = rows, table
+        self.rows = rows
         # Each row's block selector for the maps, looked up once for every layer of the forward.
         self.selected = None if rows is None or table.down is None else table.select[rows]
         # Each layer's slice of the tables, cut once a forward by unbinding them: the backward then stacks every
