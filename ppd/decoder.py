@@ -233,21 +233,26 @@ class Decoder:
         any width, or no policy)."""
         return None if self.policy is None else self.policy.max_width_for(batch_size)
 
+    def _state_slots(self) -> int:
+        """Cache slots of every state of this decoder: its capacity and room past the longest committed prefix
+        for one step's rows (or the prefill's prompt rows), in whole key blocks of FlexAttention's size, so that a
+        step may attend over the whole buffer (with FlexAttention, whole pieces of MIN_CHUNK slots, so that a step
+        may split the buffer into pieces)."""
+        t = self.tables
+        widest = max((x.num_rows for x in self._tables_of.values()), default=1)
+        rows = max(widest, (t.num_prompt_tokens * t.num_ensemble if t else 0) + 1)
+        unit = MIN_CHUNK if self.lm.flex else BLOCK
+        return -(-(self.capacity + rows) // unit) * unit
+
     def _new_state(self, batch_size: int) -> DecodeState:
         t = self.tables
         n_prompt = t.num_prompt_tokens if t else 0
-        widest = max((x.num_rows for x in self._tables_of.values()), default=1)
-        rows = max(widest, n_prompt * (t.num_ensemble if t else 1) + 1)
-        # Room past the longest committed prefix for one step's rows (or the prefill's prompt rows).
         # A step emits at most N + 1 tokens (a path is at most N deep), whatever the tree set; its report has
         # a column for every node of the tables' padded depth (at least MIN_SIZE) and the root.
         layers = self.model.config.get_text_config().num_hidden_layers  # a multimodal model: its text model's
-        # Whole key blocks of FlexAttention's size, so that a step may attend over the whole buffer; with
-        # FlexAttention, whole pieces of MIN_CHUNK slots, so that a step may split the buffer into pieces.
-        unit = MIN_CHUNK if self.lm.flex else BLOCK
-        slots = -(-(self.capacity + rows) // unit) * unit
-        return DecodeState(layers, batch_size, slots, n_prompt, t.top_k if t else 0, max(n_prompt, MIN_SIZE) + 1,
-                           MAX_EOS_IDS, self.device, reserved=INITIAL_SLOTS, spare_slots=0 if self.lm.flex else 1)
+        return DecodeState(layers, batch_size, self._state_slots(), n_prompt, t.top_k if t else 0,
+                           max(n_prompt, MIN_SIZE) + 1, MAX_EOS_IDS, self.device, reserved=INITIAL_SLOTS,
+                           spare_slots=0 if self.lm.flex else 1)
 
     def with_trees(self, trees: TreeSet) -> "Decoder":
         """A decoder of the same model, prompt tokens, EOS ids and cache size over another tree set (at every
@@ -307,9 +312,7 @@ class Decoder:
                     pass
             if runner.prefill_graphs is not None and not compiles_prefill(mode, self.device):
                 # A prefill graph for every width bucket, each way of prefilling.
-                state = self.states.acquire(bucket)
-                slots = state.capacity  # (the buckets run up to the state's slots, past the capacity)
-                self.states.release(state)
+                slots = self._state_slots()  # (the buckets run up to the state's slots, past the capacity)
                 # PPD prefills with its prompt rows where the bucket has a tree, else as the baseline does.
                 with_rows = use_ppd and tables is not None
                 for name in (["ppd"] if with_rows else []) + (["baseline"] if "baseline" in methods or not with_rows
