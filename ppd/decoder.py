@@ -28,7 +28,7 @@ from .decoding.step import LanguageModel, StepKind
 from .decoding.support import UnsupportedModelError, checked_tree_attention
 from .decoding.tree_attention import BLOCK, MIN_CHUNK
 from .decoding.tables import MIN_SIZE, TreeTables
-from .deep_prompts import deep_weights, hooks_for
+from .deep_prompts import deep_weights, hooks_for, merge_maps, merges_maps
 from .policy import BatchPolicy
 from .prompt_tokens import PromptTokens
 from .tree import TreeSet
@@ -148,7 +148,8 @@ class Decoder:
             prompt_tokens.to(self.device)
             self.lm.offsets = hooks_for(model, prompt_tokens)
             if self.lm.offsets is not None:
-                self.lm.offset_table = deep_weights(prompt_tokens, self.dtype, detach=True)
+                table = deep_weights(prompt_tokens, self.dtype, detach=True)
+                self.lm.offset_table = merge_maps(table) if merges_maps(self.device) else table
             n, v = prompt_tokens.num_prompt_tokens, prompt_tokens.num_ensemble
             if trees is None and policy is not None:
                 trees = policy.for_batch(1)

@@ -20,11 +20,19 @@ layer l, row r's hidden state h gains ``(h @ down[l])[block r] @ up[l][block r]`
 N * V * r], ``up`` [layers, N * V * r, hidden], block r the r columns of that row). The offsets move every
 prompt row the same way whatever it read; the maps let the change depend on what the row has gathered from
 the real tokens so far. A real token's block selector is all zeros, so its hidden state gains an exact zero.
+
+A decoder may carry the maps *merged* instead (:func:`merge_maps`, chosen by ``$PPD_DEEP_MAPS``): each table row's
+``down`` block times its ``up`` block, one [hidden, hidden] matrix per row, side by side in ``merged`` [layers,
+hidden, N * V * hidden]. A layer then makes one matrix product over every row of the forward and each prompt row
+picks its own block of the result; a real token picks nothing, an exact zero as before. That is N * V / (2 r) times
+the low-rank products' arithmetic but one library product a layer instead of two and the selection between them,
+which is what a small tree step on a GPU pays for (each kernel costs a few microseconds however little it does).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -52,6 +60,7 @@ class DeepWeights:
     down: torch.Tensor | None = None  # [layers, hidden, N * V * r]: low-rank maps (None: offsets only)
     up: torch.Tensor | None = None  # [layers, N * V * r, hidden]
     select: torch.Tensor | None = None  # [1 + N * V, N * V * r]: ones on each row's own r columns
+    merged: torch.Tensor | None = None  # [layers, hidden, N * V * hidden]: the maps merged (then down/up unused)
 
 
 class LayerOffsets:
@@ -63,7 +72,7 @@ class LayerOffsets:
     def __init__(self, model):
         self.rows: torch.Tensor | None = None
         self.selected: torch.Tensor | None = None
-        self.layers: list[tuple] | None = None  # per layer: its offsets, down and up maps (views of the table set)
+        self.layers: list[tuple] | None = None  # per layer: its offsets, maps and merged maps (views of the table)
         # Set by ``PromptTokenModel.compile_base``: with gradients on, the compiled layers add the offsets
         # themselves (:func:`add_to_output`), inside their graph, and the hooks stand aside.
         self.in_compiled_layers = False
@@ -85,34 +94,43 @@ class LayerOffsets:
 
     def layer_inputs(self, index: int) -> tuple:
         """What layer ``index`` adds, as tensors (:func:`add_to_output`'s ``inputs``): the rows, the layer's
-        offsets, and its maps with each row's block selector (None without maps)."""
-        offsets, down, up = self.layers[index]
-        return self.rows, offsets, down, up, self.selected
+        offsets, its maps with each row's block selector, and its merged maps (None where the table has none)."""
+        offsets, down, up, merged = self.layers[index]
+        return self.rows, offsets, down, up, self.selected, merged
 
     def set(self, rows: torch.Tensor | None, table: DeepWeights | None) -> None:
         """What the next forward adds: ``table`` at ``rows`` (None, None: nothing)."""
         self.rows = rows
         # Each row's block selector for the maps, looked up once for every layer of the forward.
-        self.selected = None if rows is None or table.down is None else table.select[rows]
+        self.selected = None if rows is None or table.down is None or table.merged is not None else table.select[rows]
         # Each layer's slice of the tables, cut once a forward by unbinding them: the backward then stacks every
         # layer's gradient in one operation, where indexing each layer's slice made a zero tensor the size of the
         # whole table for every layer and table and added them up (90 table-sized writes and additions a
         # training step for the default model, whatever its batch).
-        self.layers = None if table is None else list(zip(*(
-            [None] * self.num_layers if t is None else t.unbind(0) for t in (table.offsets, table.down, table.up))))
+        if table is None:
+            self.layers = None
+            return
+        maps = (None, None, table.merged) if table.merged is not None else (table.down, table.up, None)
+        self.layers = list(zip(*([None] * self.num_layers if t is None else t.unbind(0)
+                                 for t in (table.offsets, *maps))))
 
 
 def add_to_output(output, inputs: tuple):
     """A decoder layer's ``output`` (its hidden states, or a tuple that starts with them) with the deep prompt
     tokens' change added at the prompt rows; ``inputs`` from :meth:`LayerOffsets.layer_inputs`."""
-    rows, offsets, down, up, selected = inputs
+    rows, offsets, down, up, selected, merged = inputs
     hidden = output[0] if isinstance(output, tuple) else output
     dtype = hidden.dtype
     # A lookup whose gradient skips row 0 (every real token's): an indexing gather's backward adds the gradients
     # of all B x Q rows into the few table rows one duplicate at a time, which took 80 % of a training step's
     # device time (results/train/profile/).
     moved = hidden + nn.functional.embedding(rows, offsets.to(dtype), padding_idx=0)
-    if down is not None:
+    if merged is not None:
+        width = hidden.shape[-1]
+        mapped = (hidden @ merged.to(dtype)).unflatten(-1, (-1, width))  # [B, Q, N * V, hidden]: every row's map
+        own = (rows - 1).clamp(min=0)[..., None, None].expand(*rows.shape, 1, width)
+        moved = moved + torch.where(rows[..., None] > 0, mapped.gather(-2, own).squeeze(-2), 0)
+    elif down is not None:
         moved = moved + ((hidden @ down.to(dtype)) * selected.to(dtype)) @ up.to(dtype)
     return (moved, *output[1:]) if isinstance(output, tuple) else moved
 
@@ -155,6 +173,30 @@ def deep_weights(tokens, dtype: torch.dtype | None = None, detach: bool = False,
     own = torch.eye(tokens.config.num_rows, device=offsets.device, dtype=padded.dtype).repeat_interleave(rank, dim=1)
     select = torch.cat([own.new_zeros(1, own.shape[1]), own])
     return DeepWeights(padded, *(cast(found[name]) for name in MAP_NAMES), select)
+
+
+MAPS_ENV = "PPD_DEEP_MAPS"  # low_rank | merged | auto: how a decoder applies the maps (auto: low_rank)
+
+
+def merges_maps(device: torch.device) -> bool:
+    """Whether a decoder on ``device`` carries the maps merged (:func:`merge_maps`), by ``$PPD_DEEP_MAPS``."""
+    found = os.environ.get(MAPS_ENV, "auto")
+    if found not in ("low_rank", "merged", "auto"):
+        raise ValueError(f"{MAPS_ENV} must be low_rank, merged or auto, got {found!r}")
+    return found == "merged"
+
+
+def merge_maps(table: DeepWeights) -> DeepWeights:
+    """``table`` with its low-rank maps merged: ``merged[l][:, block t]`` = ``down[l][:, cols t] @ up[l][rows t]``
+    for each prompt-table row t, multiplied in float32 and cast back. A table without maps is returned as it is."""
+    if table.down is None:
+        return table
+    layers, hidden, columns = table.down.shape
+    count = table.select.shape[0] - 1
+    down = table.down.float().view(layers, hidden, count, columns // count)
+    up = table.up.float().view(layers, count, columns // count, hidden)
+    merged = torch.einsum("lhtr,ltrk->lhtk", down, up).reshape(layers, hidden, count * hidden)
+    return replace(table, merged=merged.to(table.down.dtype))
 
 
 def prompt_row_index(is_prompt: torch.Tensor, table_row: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from ppd.deep_prompts import decoder_layers, deep_weights
+from ppd.deep_prompts import MAPS_ENV, decoder_layers, deep_weights, merge_maps
 from ppd.prefill import build_prefill
 from ppd.prompt_tokens import AdapterMismatchError, PromptTokens
 from ppd.training import PromptTokenModel
@@ -17,13 +17,14 @@ from .conftest import random_prompt_tokens, tiny_model
 BATCH = [[5, 9, 2, 7, 7, 1], [3, 8]]
 
 
-def _all_logits(trainer: PromptTokenModel, batch=BATCH) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits of every slot of the prefill forward, and which slots are real tokens."""
+def _all_logits(trainer: PromptTokenModel, batch=BATCH, merged=False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of every slot of the prefill forward, and which slots are real tokens (``merged``: the maps merged)."""
     config = trainer.prompt_tokens.config
     inputs = build_prefill(trainer.base_model, batch, trainer.prompt_tokens(), config.num_prompt_tokens,
                            config.num_ensemble, config.attention_type)
     if trainer.layer_offsets is not None:
-        trainer.layer_offsets.set(inputs.prompt_rows, deep_weights(trainer.prompt_tokens))
+        table = deep_weights(trainer.prompt_tokens)
+        trainer.layer_offsets.set(inputs.prompt_rows, merge_maps(table) if merged else table)
     logits = trainer.base_model(inputs_embeds=inputs.embeds, attention_mask=inputs.mask,
                                 position_ids=inputs.positions, use_cache=False).logits
     if trainer.layer_offsets is not None:
@@ -174,6 +175,43 @@ def test_deep_prompt_tokens_decode_losslessly_and_every_step_mode_agrees(capture
     assert sum(o.new_tokens - 1 - o.steps for o in ppd) > 0
     # the one-row step after a deep step: no prompt rows, no offsets (the hooks were told so)
     assert decoder.lm.offsets.rows is None
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_merged_maps_move_the_prompt_rows_as_the_low_rank_products_do_and_real_rows_not_at_all(arch):
+    model = tiny_model(arch)
+    tokens = random_prompt_tokens(model, n=3, v=2, seed=5, deep=True, rank=3)
+    trainer = PromptTokenModel(model, tokens)
+    with torch.no_grad():
+        low_rank, real = _all_logits(trainer)
+        merged, _ = _all_logits(trainer, merged=True)
+        plain_config = dataclasses.replace(tokens.config, deep=False, num_layers=0, map_rank=0)
+        plain, _ = _all_logits(PromptTokenModel(model, PromptTokens(plain_config, tokens.embeddings)))
+    torch.testing.assert_close(merged[real], plain[real], rtol=0, atol=0)
+    torch.testing.assert_close(merged, low_rank, rtol=1e-4, atol=1e-5)
+    table = deep_weights(tokens)
+    assert merge_maps(table).merged.shape == (table.down.shape[0], table.down.shape[1], 6 * table.down.shape[1])
+
+
+@pytest.mark.parametrize("capture", ["eager", "compile", pytest.param("compiled_graph", marks=ON_GPU)])
+def test_a_decoder_with_merged_maps_is_lossless_and_guesses_as_the_low_rank_one(capture, monkeypatch):
+    from ppd.decoder import Decoder
+    model = tiny_model("llama")
+    if capture == "compiled_graph":
+        model = model.cuda()
+    tokens = random_prompt_tokens(model, n=3, v=1, seed=1, deep=True, rank=2)
+    prompts = [[5, 9, 2, 7, 7, 1, 4, 4], [3, 8, 1], [11]]
+    low_rank = Decoder(model, tokens).generate(prompts, max_new_tokens=40, capture="eager")
+    monkeypatch.setenv(MAPS_ENV, "merged")
+    decoder = Decoder(model, tokens)
+    assert decoder.lm.offset_table.merged is not None
+    ppd = decoder.generate(prompts, max_new_tokens=40, capture=capture)
+    baseline = decoder.generate(prompts, method="baseline", max_new_tokens=40, capture=capture)
+    assert [o.token_ids for o in ppd] == [o.token_ids for o in baseline] == [o.token_ids for o in low_rank]
+    assert [o.steps for o in ppd] == [o.steps for o in low_rank]
+    monkeypatch.setenv(MAPS_ENV, "lowrank")
+    with pytest.raises(ValueError, match="PPD_DEEP_MAPS must be low_rank, merged or auto, got 'lowrank'"):
+        Decoder(model, tokens)
 
 
 def test_hooks_told_about_another_forward_refuse_instead_of_adding_offsets_in_the_wrong_places():
