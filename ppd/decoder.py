@@ -149,6 +149,7 @@ class Decoder:
             self.lm.offsets = hooks_for(model, prompt_tokens)
             if self.lm.offsets is not None:
                 table = deep_weights(prompt_tokens, self.dtype, detach=True)
+                # (merged maps serve the tree steps; prefills keep the low-rank products)
                 self.lm.offset_table = merge_maps(table) if merges_maps(self.device) else table
             n, v = prompt_tokens.num_prompt_tokens, prompt_tokens.num_ensemble
             if trees is None and policy is not None:

@@ -21,12 +21,13 @@ N * V * r], ``up`` [layers, N * V * r, hidden], block r the r columns of that ro
 prompt row the same way whatever it read; the maps let the change depend on what the row has gathered from
 the real tokens so far. A real token's block selector is all zeros, so its hidden state gains an exact zero.
 
-A decoder may carry the maps *merged* instead (:func:`merge_maps`, chosen by ``$PPD_DEEP_MAPS``): each table row's
+A decoder may also carry the maps *merged* (:func:`merge_maps`, chosen by ``$PPD_DEEP_MAPS``): each table row's
 ``down`` block times its ``up`` block, one [hidden, hidden] matrix per row, side by side in ``merged`` [layers,
 hidden, N * V * hidden]. A layer then makes one matrix product over every row of the forward and each prompt row
 picks its own block of the result; a real token picks nothing, an exact zero as before. That is hidden / (2 r) times
 the low-rank products' arithmetic but one library product a layer instead of two and the selection between them,
-which is what a small tree step on a GPU pays for (each kernel costs a few microseconds however little it does).
+which is what a tree step on a GPU pays for (a few hundred rows; each kernel costs a few microseconds however little
+it does). Prefills, whose rows are the prompt's tokens (thousands in a long or batched one), keep the products.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class DeepWeights:
     down: torch.Tensor | None = None  # [layers, hidden, N * V * r]: low-rank maps (None: offsets only)
     up: torch.Tensor | None = None  # [layers, N * V * r, hidden]
     select: torch.Tensor | None = None  # [1 + N * V, N * V * r]: ones on each row's own r columns
-    merged: torch.Tensor | None = None  # [layers, hidden, N * V * hidden]: the maps merged (then down/up unused)
+    merged: torch.Tensor | None = None  # [layers, hidden, N * V * hidden]: the maps merged, for tree steps
 
 
 class LayerOffsets:
@@ -98,11 +99,13 @@ class LayerOffsets:
         offsets, down, up, merged = self.layers[index]
         return self.rows, offsets, down, up, self.selected, merged
 
-    def set(self, rows: torch.Tensor | None, table: DeepWeights | None) -> None:
-        """What the next forward adds: ``table`` at ``rows`` (None, None: nothing)."""
+    def set(self, rows: torch.Tensor | None, table: DeepWeights | None, merged: bool = False) -> None:
+        """What the next forward adds: ``table`` at ``rows`` (None, None: nothing), its maps through its merged
+        matrices where ``merged`` and it has them, else through the low-rank products."""
         self.rows = rows
+        merged = merged and table is not None and table.merged is not None
         # Each row's block selector for the maps, looked up once for every layer of the forward.
-        self.selected = None if rows is None or table.down is None or table.merged is not None else table.select[rows]
+        self.selected = None if rows is None or table.down is None or merged else table.select[rows]
         # Each layer's slice of the tables, cut once a forward by unbinding them: the backward then stacks every
         # layer's gradient in one operation, where indexing each layer's slice made a zero tensor the size of the
         # whole table for every layer and table and added them up (90 table-sized writes and additions a
@@ -110,7 +113,7 @@ class LayerOffsets:
         if table is None:
             self.layers = None
             return
-        maps = (None, None, table.merged) if table.merged is not None else (table.down, table.up, None)
+        maps = (None, None, table.merged) if merged else (table.down, table.up, None)
         self.layers = list(zip(*([None] * self.num_layers if t is None else t.unbind(0)
                                  for t in (table.offsets, *maps))))
 
@@ -179,8 +182,8 @@ MAPS_ENV = "PPD_DEEP_MAPS"  # low_rank | merged | auto: how a decoder applies th
 
 
 def merges_maps(device: torch.device) -> bool:
-    """Whether a decoder on ``device`` carries the maps merged (:func:`merge_maps`), by ``$PPD_DEEP_MAPS``; ``auto``
-    merges them on CUDA devices only. On one H200 (the default model, bf16, the 130-row tree at batch 1, MT-Bench)
+    """Whether a decoder on ``device`` carries the maps merged for its tree steps (:func:`merge_maps`), by
+    ``$PPD_DEEP_MAPS``; ``auto`` merges them on CUDA devices only. On one H200 (the default model, bf16, the 130-row tree at batch 1, MT-Bench)
     merged maps made a step 2.13 ms against 2.24-2.25 ms with the low-rank products (results/deep_gpu/h200/v12/);
     on a CPU, where the step is bound by arithmetic rather than by kernel launches, their 18x more multiplications
     (hidden / (2 r) for the shipped tokens) would only cost."""

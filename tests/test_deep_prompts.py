@@ -24,7 +24,7 @@ def _all_logits(trainer: PromptTokenModel, batch=BATCH, merged=False) -> tuple[t
                            config.num_ensemble, config.attention_type)
     if trainer.layer_offsets is not None:
         table = deep_weights(trainer.prompt_tokens)
-        trainer.layer_offsets.set(inputs.prompt_rows, merge_maps(table) if merged else table)
+        trainer.layer_offsets.set(inputs.prompt_rows, merge_maps(table) if merged else table, merged=merged)
     logits = trainer.base_model(inputs_embeds=inputs.embeds, attention_mask=inputs.mask,
                                 position_ids=inputs.positions, use_cache=False).logits
     if trainer.layer_offsets is not None:
@@ -189,8 +189,16 @@ def test_merged_maps_move_the_prompt_rows_as_the_low_rank_products_do_and_real_r
         plain, _ = _all_logits(PromptTokenModel(model, PromptTokens(plain_config, tokens.embeddings)))
     torch.testing.assert_close(merged[real], plain[real], rtol=0, atol=0)
     torch.testing.assert_close(merged, low_rank, rtol=1e-4, atol=1e-5)
-    table = deep_weights(tokens)
-    assert merge_maps(table).merged.shape == (table.down.shape[0], table.down.shape[1], 6 * table.down.shape[1])
+    table = merge_maps(deep_weights(tokens))
+    assert table.merged.shape == (table.down.shape[0], table.down.shape[1], 6 * table.down.shape[1])
+    # a table with merged maps still gives the low-rank products unless the forward asks for the merged ones (a
+    # prefill's rows are the prompt's tokens, thousands where it is long: the products cost less there)
+    rows = torch.tensor([[0, 1, 2]])
+    for asked in (False, True):
+        trainer.layer_offsets.set(rows, table, merged=asked)
+        _, _, down, up, selected, merged_maps = trainer.layer_offsets.layer_inputs(0)
+        assert (merged_maps is not None, down is None, up is None, selected is None) == (asked,) * 4
+    trainer.layer_offsets.set(None, None)
 
 
 @pytest.mark.parametrize("capture", ["eager", "compile", pytest.param("compiled_graph", marks=ON_GPU)])

@@ -52,7 +52,8 @@ class LanguageModel:
     # instead of the model's own attention over a dense float mask.
     flex: bool = False
     # Deep prompt tokens' hooks (``ppd.deep_prompts``), told each step which rows are prompt rows, and what
-    # they add (offsets and low-rank maps, the model's dtype): inputs of the step like its tables.
+    # they add (offsets and low-rank maps, the maps also merged on a GPU, the model's dtype): inputs of the step
+    # like its tables.
     offsets: LayerOffsets | None = None
     offset_table: DeepWeights | None = None
     query_group: int = 1  # query heads per key head (FlexAttention's block masks lay their rows out by it)
@@ -209,7 +210,7 @@ def tree_decoding(lm: LanguageModel, state: DecodeState, rows: Candidates, slot_
         masks = {kind: step_mask(rows.allowed, lengths, slot_ids, rows.embeds.dtype, rows.offsets, window)
                  for kind, window in lm.layers.kinds.items()}
     if lm.offsets is not None:
-        lm.offsets.set(rows.prompt_rows, lm.offset_table)
+        lm.offsets.set(rows.prompt_rows, lm.offset_table, merged=True)  # a few hundred rows: one product a layer
     hidden = lm.body(inputs_embeds=rows.embeds, attention_mask=lm.layers.pack(masks), position_ids=positions,
                      use_cache=True, **{lm.cache_key: state.kv.view(slots, slot_ids.shape[0])}).last_hidden_state
     if lm.offsets is not None:
