@@ -186,7 +186,8 @@ def merges_maps(device: torch.device) -> bool:
     ``$PPD_DEEP_MAPS``; ``auto`` merges them on CUDA devices only. On one H200 (the default model, bf16, the 130-row tree at batch 1, MT-Bench)
     merged maps made a step 2.13 ms against 2.24-2.25 ms with the low-rank products (results/deep_gpu/h200/v12/);
     on a CPU, where the step is bound by arithmetic rather than by kernel launches, their 18x more multiplications
-    (hidden / (2 r) for the shipped tokens) would only cost."""
+    (hidden / (2 r) for the shipped tokens) cost: 58.2-60.5 against 56.8-57.4 ms a bf16 step on two Zen 4 cores
+    (results/cpu/epyc_merged_maps/)."""
     found = os.environ.get(MAPS_ENV, "auto")
     if found not in ("low_rank", "merged", "auto"):
         raise ValueError(f"{MAPS_ENV} must be low_rank, merged or auto, got {found!r}")
