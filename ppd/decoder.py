@@ -150,7 +150,7 @@ class Decoder:
             if self.lm.offsets is not None:
                 table = deep_weights(prompt_tokens, self.dtype, detach=True)
                 # (merged maps serve the tree steps; prefills keep the low-rank products)
-                self.lm.offset_table = merge_maps(table) if merges_maps(self.device) else table
+                self.lm.offset_table = merge_maps(table) if merges_maps(self.device, table) else table
             n, v = prompt_tokens.num_prompt_tokens, prompt_tokens.num_ensemble
             if trees is None and policy is not None:
                 trees = policy.for_batch(1)

@@ -178,20 +178,30 @@ def deep_weights(tokens, dtype: torch.dtype | None = None, detach: bool = False,
     return DeepWeights(padded, *(cast(found[name]) for name in MAP_NAMES), select)
 
 
-MAPS_ENV = "PPD_DEEP_MAPS"  # low_rank | merged | auto: how a decoder applies the maps (auto: merged on CUDA)
+MAPS_ENV = "PPD_DEEP_MAPS"  # low_rank | merged | auto: how a decoder's tree steps apply the maps (auto: see below)
+# Merged maps are read whole in every layer of every tree step: ``auto`` merges only where a layer's merged matrices
+# take at most this many bytes, about what an H200 reads in the 2 us that one kernel launch fewer saves. The default
+# model's take 2 MB (hidden 576, 3 prompt-table rows, bf16); a model of hidden 2,048 would take 25 MB a layer, read
+# in 5 us, more than the kernels saved, and its step is bound by reading weights rather than by launching kernels.
+MERGED_LAYER_BYTES = 8 * 2**20
 
 
-def merges_maps(device: torch.device) -> bool:
-    """Whether a decoder on ``device`` carries the maps merged for its tree steps (:func:`merge_maps`), by
-    ``$PPD_DEEP_MAPS``; ``auto`` merges them on CUDA devices only. On one H200 (the default model, bf16, the 130-row tree at batch 1, MT-Bench)
-    merged maps made a step 2.13 ms against 2.24-2.25 ms with the low-rank products (results/deep_gpu/h200/v12/);
-    on a CPU, where the step is bound by arithmetic rather than by kernel launches, their 18x more multiplications
-    (hidden / (2 r) for the shipped tokens) cost: 58.2-60.5 against 56.8-57.4 ms a bf16 step on two Zen 4 cores
+def merges_maps(device: torch.device, table: DeepWeights) -> bool:
+    """Whether a decoder on ``device`` carries ``table``'s maps merged for its tree steps (:func:`merge_maps`), by
+    ``$PPD_DEEP_MAPS``; ``auto`` merges them on CUDA devices where a layer's merged matrices take at most
+    :data:`MERGED_LAYER_BYTES`. On one H200 (the default model, bf16, the 130-row tree at batch 1, MT-Bench) merged
+    maps made a step 2.13 ms against 2.24-2.25 ms with the low-rank products (results/deep_gpu/h200/v12/). On a CPU,
+    where a step is bound by its arithmetic rather than by kernel launches, their 18x more multiplications (hidden /
+    (2 r) for the shipped tokens) cost: 58.2-60.5 against 56.8-57.4 ms a bf16 step on two Zen 4 cores
     (results/cpu/epyc_merged_maps/)."""
     found = os.environ.get(MAPS_ENV, "auto")
     if found not in ("low_rank", "merged", "auto"):
         raise ValueError(f"{MAPS_ENV} must be low_rank, merged or auto, got {found!r}")
-    return found == "merged" or (found == "auto" and device.type == "cuda")
+    if table.down is None or found == "low_rank":
+        return False
+    hidden = table.down.shape[1]
+    layer_bytes = hidden * hidden * (table.select.shape[0] - 1) * table.down.element_size()
+    return found == "merged" or (device.type == "cuda" and layer_bytes <= MERGED_LAYER_BYTES)
 
 
 def merge_maps(table: DeepWeights) -> DeepWeights:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
 
-from ppd.deep_prompts import MAPS_ENV, decoder_layers, deep_weights, merge_maps
+from ppd.deep_prompts import MAPS_ENV, DeepWeights, decoder_layers, deep_weights, merge_maps, merges_maps
 from ppd.prefill import build_prefill
 from ppd.prompt_tokens import AdapterMismatchError, PromptTokens
 from ppd.training import PromptTokenModel
@@ -223,6 +224,23 @@ def test_a_decoder_with_merged_maps_is_lossless_and_guesses_as_the_low_rank_one(
     monkeypatch.setenv(MAPS_ENV, "lowrank")
     with pytest.raises(ValueError, match="PPD_DEEP_MAPS must be low_rank, merged or auto, got 'lowrank'"):
         Decoder(model, tokens)
+
+
+def test_auto_merges_the_maps_on_cuda_where_a_layer_of_them_stays_small(monkeypatch):
+    def table(hidden, rows=3, rank=16, dtype=torch.bfloat16):  # shapes only: meta tensors, nothing allocated
+        empty = functools.partial(torch.empty, device="meta", dtype=dtype)
+        return DeepWeights(empty(30, 1 + rows, hidden), empty(30, hidden, rows * rank), empty(30, rows * rank, hidden),
+                           empty(1 + rows, rows * rank))
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert merges_maps(cuda, table(576))  # the default model: 2 MB a layer
+    assert not merges_maps(cuda, table(2048))  # 25 MB a layer: read whole in every layer of every step
+    assert not merges_maps(cuda, table(1536, dtype=torch.float32))  # 28 MB
+    assert not merges_maps(cpu, table(576))
+    assert not merges_maps(cuda, dataclasses.replace(table(576), down=None, up=None, select=None))  # offsets only
+    monkeypatch.setenv(MAPS_ENV, "merged")
+    assert merges_maps(cpu, table(2048))
+    monkeypatch.setenv(MAPS_ENV, "low_rank")
+    assert not merges_maps(cuda, table(576))
 
 
 def test_hooks_told_about_another_forward_refuse_instead_of_adding_offsets_in_the_wrong_places():
