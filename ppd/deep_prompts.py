@@ -95,7 +95,8 @@ class LayerOffsets:
 
     def layer_inputs(self, index: int) -> tuple:
         """What layer ``index`` adds, as tensors (:func:`add_to_output`'s ``inputs``): the rows, the layer's
-        offsets, its maps with each row's block selector, and its merged maps (None where the table has none)."""
+        offsets, then either its low-rank maps with each row's block selector or its merged maps, as :meth:`set`
+        chose (the others None; all four None for a table of offsets only)."""
         offsets, down, up, merged = self.layers[index]
         return self.rows, offsets, down, up, self.selected, merged
 
@@ -103,16 +104,16 @@ class LayerOffsets:
         """What the next forward adds: ``table`` at ``rows`` (None, None: nothing), its maps through its merged
         matrices where ``merged`` and it has them, else through the low-rank products."""
         self.rows = rows
-        merged = merged and table is not None and table.merged is not None
+        if table is None:
+            self.selected = self.layers = None
+            return
+        merged = merged and table.merged is not None
         # Each row's block selector for the maps, looked up once for every layer of the forward.
         self.selected = None if rows is None or table.down is None or merged else table.select[rows]
         # Each layer's slice of the tables, cut once a forward by unbinding them: the backward then stacks every
         # layer's gradient in one operation, where indexing each layer's slice made a zero tensor the size of the
         # whole table for every layer and table and added them up (90 table-sized writes and additions a
         # training step for the default model, whatever its batch).
-        if table is None:
-            self.layers = None
-            return
         maps = (None, None, table.merged) if merged else (table.down, table.up, None)
         self.layers = list(zip(*([None] * self.num_layers if t is None else t.unbind(0)
                                  for t in (table.offsets, *maps))))
@@ -200,21 +201,30 @@ def merges_maps(device: torch.device, table: DeepWeights) -> bool:
     if table.down is None or found == "low_rank":
         return False
     hidden = table.down.shape[1]
-    layer_bytes = hidden * hidden * (table.select.shape[0] - 1) * table.down.element_size()
+    layer_bytes = hidden * hidden * _table_rows(table) * table.down.element_size()
     return found == "merged" or (device.type == "cuda" and layer_bytes <= MERGED_LAYER_BYTES)
+
+
+def _table_rows(table: DeepWeights) -> int:
+    """How many prompt-table rows (N * V) ``table``'s maps have a block for."""
+    return table.select.shape[0] - 1
 
 
 def merge_maps(table: DeepWeights) -> DeepWeights:
     """``table`` with its low-rank maps merged: ``merged[l][:, block t]`` = ``down[l][:, cols t] @ up[l][rows t]``
-    for each prompt-table row t, multiplied in float32 and cast back. A table without maps is returned as it is."""
+    for each prompt-table row t, multiplied in float32 a layer at a time and cast back (float32 for one layer
+    only: a forced merge of a large model's maps would otherwise hold all of them in float32 at once). A table
+    without maps is returned as it is."""
     if table.down is None:
         return table
     layers, hidden, columns = table.down.shape
-    count = table.select.shape[0] - 1
-    down = table.down.float().view(layers, hidden, count, columns // count)
-    up = table.up.float().view(layers, count, columns // count, hidden)
-    merged = torch.einsum("lhtr,ltrk->lhtk", down, up).reshape(layers, hidden, count * hidden)
-    return replace(table, merged=merged.to(table.down.dtype))
+    count = _table_rows(table)
+    merged = table.down.new_empty(layers, hidden, count * hidden)
+    for layer in range(layers):
+        down = table.down[layer].float().view(hidden, count, columns // count)
+        up = table.up[layer].float().view(count, columns // count, hidden)
+        merged[layer] = torch.einsum("htr,trk->htk", down, up).reshape(hidden, count * hidden)
+    return replace(table, merged=merged)
 
 
 def prompt_row_index(is_prompt: torch.Tensor, table_row: torch.Tensor) -> torch.Tensor:

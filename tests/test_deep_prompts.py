@@ -211,9 +211,10 @@ def test_a_decoder_with_merged_maps_is_lossless_and_guesses_as_the_low_rank_one(
     tokens = random_prompt_tokens(model, n=3, v=1, seed=1, deep=True, rank=2)
     prompts = [[5, 9, 2, 7, 7, 1, 4, 4], [3, 8, 1], [11]]
     # auto: merged on CUDA only (where a step is bound by its kernels' count, not their arithmetic)
+    monkeypatch.delenv(MAPS_ENV, raising=False)
     assert (Decoder(model, tokens).lm.offset_table.merged is not None) == (model.device.type == "cuda")
     monkeypatch.setenv(MAPS_ENV, "low_rank")
-    low_rank = Decoder(model, tokens).generate(prompts, max_new_tokens=40, capture="eager")
+    low_rank = Decoder(model, tokens).generate(prompts, max_new_tokens=40, capture=capture)
     monkeypatch.setenv(MAPS_ENV, "merged")
     decoder = Decoder(model, tokens)
     assert decoder.lm.offset_table.merged is not None
@@ -221,6 +222,7 @@ def test_a_decoder_with_merged_maps_is_lossless_and_guesses_as_the_low_rank_one(
     baseline = decoder.generate(prompts, method="baseline", max_new_tokens=40, capture=capture)
     assert [o.token_ids for o in ppd] == [o.token_ids for o in baseline] == [o.token_ids for o in low_rank]
     assert [o.steps for o in ppd] == [o.steps for o in low_rank]
+    assert sum(o.new_tokens - 1 - o.steps for o in ppd) > 0  # guesses were accepted: the steps say something
     monkeypatch.setenv(MAPS_ENV, "lowrank")
     with pytest.raises(ValueError, match="PPD_DEEP_MAPS must be low_rank, merged or auto, got 'lowrank'"):
         Decoder(model, tokens)
@@ -232,6 +234,7 @@ def test_auto_merges_the_maps_on_cuda_where_a_layer_of_them_stays_small(monkeypa
         return DeepWeights(empty(30, 1 + rows, hidden), empty(30, hidden, rows * rank), empty(30, rows * rank, hidden),
                            empty(1 + rows, rows * rank))
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.delenv(MAPS_ENV, raising=False)
     assert merges_maps(cuda, table(576))  # the default model: 2 MB a layer
     assert not merges_maps(cuda, table(2048))  # 25 MB a layer: read whole in every layer of every step
     assert not merges_maps(cuda, table(1536, dtype=torch.float32))  # 28 MB

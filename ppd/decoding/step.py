@@ -52,8 +52,8 @@ class LanguageModel:
     # instead of the model's own attention over a dense float mask.
     flex: bool = False
     # Deep prompt tokens' hooks (``ppd.deep_prompts``), told each step which rows are prompt rows, and what
-    # they add (offsets and low-rank maps, the maps also merged on a GPU, the model's dtype): inputs of the step
-    # like its tables.
+    # they add (offsets and low-rank maps, the maps also merged where ``deep_prompts.merges_maps`` says; the
+    # model's dtype): inputs of the step like its tables.
     offsets: LayerOffsets | None = None
     offset_table: DeepWeights | None = None
     query_group: int = 1  # query heads per key head (FlexAttention's block masks lay their rows out by it)
