@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import enum
 import math
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 # EOS ids one decoding row checks its tokens against (a fixed width, so that the step compiles once).
@@ -17,6 +19,16 @@ MAX_EOS_IDS = 8
 # tokens' per-layer offsets, 3 their low-rank maps (an adapter without them is written as the oldest format
 # that holds it: 1 for plain prompt tokens, 2 for offsets only).
 ADAPTER_FORMAT_VERSION = 3
+
+
+def env_choice(name: str, choices: Sequence[str], default: str) -> str:
+    """Environment switch ``name``'s value (``default`` where unset), refused with an error that names the variable
+    and its choices where it is none of ``choices``."""
+    found = os.environ.get(name, default)
+    if found not in choices:
+        listed = ", ".join(choices[:-1]) + f" or {choices[-1]}"
+        raise ValueError(f"${name} must be {listed}, got {found!r}")
+    return found
 
 
 class AttentionType(str, enum.Enum):

@@ -32,12 +32,12 @@ it does). Prefills, whose rows are the prompt's tokens (thousands in a long or b
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
+from .config import env_choice
 from .prompt_tokens import MAP_NAMES, OFFSETS_NAME
 
 
@@ -195,9 +195,7 @@ def merges_maps(device: torch.device, table: DeepWeights) -> bool:
     where a step is bound by its arithmetic rather than by kernel launches, their 18x more multiplications (hidden /
     (2 r) for the shipped tokens) cost: 58.2-60.5 against 56.8-57.4 ms a bf16 step on two Zen 4 cores
     (results/cpu/epyc_merged_maps/)."""
-    found = os.environ.get(MAPS_ENV, "auto")
-    if found not in ("low_rank", "merged", "auto"):
-        raise ValueError(f"{MAPS_ENV} must be low_rank, merged or auto, got {found!r}")
+    found = env_choice(MAPS_ENV, ("low_rank", "merged", "auto"), "auto")
     if table.down is None or found == "low_rank":
         return False
     hidden = table.down.shape[1]

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from .config import env_choice
+
 logger = logging.getLogger(__name__)
 
 CACHE_ENV = "PPD_CACHE_DIR"
@@ -91,9 +93,7 @@ def cpu_has_native_bf16() -> bool:
 def cpu_prefers_bf16() -> bool:
     """Whether ``auto`` means bfloat16 on this CPU: ``$PPD_CPU_BF16`` if set (``1`` or ``0``), else whether
     the CPU multiplies bfloat16 in hardware (:func:`cpu_has_native_bf16`)."""
-    setting = os.environ.get(CPU_BF16_ENV, "auto")
-    if setting not in ("auto", "0", "1"):
-        raise ValueError(f"${CPU_BF16_ENV} must be auto, 0 or 1, got {setting!r}")
+    setting = env_choice(CPU_BF16_ENV, ("auto", "0", "1"), "auto")
     return cpu_has_native_bf16() if setting == "auto" else setting == "1"
 
 

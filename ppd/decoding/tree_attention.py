@@ -39,12 +39,12 @@ everything else keep the model's own attention.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 from torch.nn.attention.flex_attention import AuxOutput, AuxRequest, BlockMask, flex_attention
 
 from ..attention import within_window
+from ..config import env_choice
 from . import attention_switch
 
 NAME = "ppd_tree_flex"  # the attention implementation this module registers with transformers
@@ -68,9 +68,7 @@ def kv_chunks(batch: int, key_heads: int, query_rows: int, width: int, device: t
     :data:`SPLIT_BELOW`; else enough pieces of at least :data:`MIN_CHUNK` slots, a divisor of the width's
     blocks, for one program per multiprocessor. ``PPD_FLEX_SPLIT`` = ``auto`` (this), ``off`` (never split) or
     ``always`` (split also where the decoding kernel would run, which then runs the main kernel)."""
-    mode = os.environ.get("PPD_FLEX_SPLIT", "auto")
-    if mode not in ("auto", "off", "always"):
-        raise ValueError(f"PPD_FLEX_SPLIT must be auto, off or always, got {mode!r}")
+    mode = env_choice("PPD_FLEX_SPLIT", ("auto", "off", "always"), "auto")
     if mode == "off" or device.type != "cuda":
         return 1
     programs = batch * key_heads * _ceil_div(query_rows, BLOCK)
