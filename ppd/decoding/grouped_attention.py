@@ -34,17 +34,19 @@ import os
 
 import torch
 
-from . import attention_switch
+from . import attention_switch, split_attention
 
 NAME = "ppd_grouped_sdpa"  # the attention implementations this module registers with transformers
 FOLDED_NAME = "ppd_grouped_sdpa_folded"
 MATMUL_NAME = "ppd_grouped_matmul"
+SPLIT_NAME = "ppd_grouped_split"
 
-MODES = ("auto", "off", "folded", "matmul")
+MODES = ("auto", "off", "folded", "matmul", "split")
 
 
 def mode() -> str:
-    """``PPD_GROUPED_SDPA``: ``auto`` (the default), ``off``, ``folded`` or ``matmul`` (see the module docstring)."""
+    """``PPD_GROUPED_SDPA``: ``auto`` (the default), ``off``, ``folded``, ``matmul`` or ``split`` (see the module
+    docstring)."""
     found = os.environ.get("PPD_GROUPED_SDPA", "auto")
     if found not in MODES:
         raise ValueError(f"PPD_GROUPED_SDPA must be one of {', '.join(MODES)}, got {found!r}")
@@ -68,13 +70,22 @@ def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
     """transformers' attention-function interface: query [B, Hq, T, D], key and value [B, Hkv, W, D] with
     Hkv dividing Hq, a float or bool mask [B, 1 or Hq, T, W]; returns [B, T, Hq, Dv]. ``layout`` says how a
     step of several rows is computed: SDPA with ``enable_gqa`` (``gqa``), SDPA with
-    the query heads folded into rows of their key head (``folded``), or those folded rows as two batched
-    matrix products around a float32 softmax (``matmul``). One row always runs the ``gqa`` way."""
+    the query heads folded into rows of their key head (``folded``), those folded rows as two batched
+    matrix products around a float32 softmax (``matmul``), or ppd's kernel that cuts the cache into pieces
+    (``split``, :mod:`ppd.decoding.split_attention`; where it cannot run, a mask per query head or no GPU, the
+    ``gqa`` way). One row always runs the ``gqa`` way."""
     if (not isinstance(attention_mask, torch.Tensor) or dropout or kwargs.get("softcap")
             or kwargs.get("s_aux") is not None or query.shape[1] == key.shape[1]):
         return _own_sdpa()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     batch, heads, rows, dim = query.shape
-    if rows == 1 or layout == "gqa":
+    if layout == "split" and attention_mask.shape[1] == 1 and split_attention.runs_on(query):
+        mask = attention_mask
+        if mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill(
+                ~mask, torch.finfo(query.dtype).min)
+        out = split_attention.split_attention(query, key, value, mask, dim ** -0.5 if scaling is None else scaling)
+        return out.transpose(1, 2).contiguous(), None
+    if rows == 1 or layout in ("gqa", "split"):
         out = torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True)
         return out.transpose(1, 2).contiguous(), None
@@ -116,6 +127,12 @@ def _matmul_attention(folded: torch.Tensor, key: torch.Tensor, value: torch.Tens
     return out.view(batch, key_heads, folded_rows, -1)
 
 
+def split_sdpa(*args, **kwargs) -> tuple[torch.Tensor, None]:
+    """:func:`grouped_sdpa` with ppd's split kernel (``PPD_GROUPED_SDPA=split``), registered under a name of its
+    own."""
+    return grouped_sdpa(*args, layout="split", **kwargs)
+
+
 def folded_sdpa(*args, **kwargs) -> tuple[torch.Tensor, None]:
     """:func:`grouped_sdpa` with the folded layout (``PPD_GROUPED_SDPA=folded``), registered under a name of its
     own so that the choice is made once per step on the host, never inside a compiled forward."""
@@ -129,14 +146,16 @@ def matmul_sdpa(*args, **kwargs) -> tuple[torch.Tensor, None]:
 
 
 def active(model_config):
-    """Within this block, the model's attention layers run :func:`grouped_sdpa` (or :func:`folded_sdpa` or
-    :func:`matmul_sdpa`, as ``PPD_GROUPED_SDPA`` says); the model's own implementation comes back afterwards,
+    """Within this block, the model's attention layers run :func:`grouped_sdpa` (or :func:`folded_sdpa`,
+    :func:`matmul_sdpa` or :func:`split_sdpa`, as ``PPD_GROUPED_SDPA`` says); the model's own implementation comes back afterwards,
     whatever happens inside."""
     chosen = mode()
     if chosen == "folded":
         return attention_switch.switched(model_config, FOLDED_NAME, folded_sdpa)
     if chosen == "matmul":
         return attention_switch.switched(model_config, MATMUL_NAME, matmul_sdpa)
+    if chosen == "split":
+        return attention_switch.switched(model_config, SPLIT_NAME, split_sdpa)
     return attention_switch.switched(model_config, NAME, grouped_sdpa)
 
 
@@ -147,5 +166,5 @@ def applies(model_config, query_group: int) -> bool:
             and all(c._attn_implementation == "sdpa" for c in attention_switch.configs_of(model_config)))
 
 
-__all__ = ["FOLDED_NAME", "MATMUL_NAME", "MODES", "NAME", "active", "applies", "enabled", "folded_sdpa",
-           "grouped_sdpa", "matmul_sdpa", "mode"]
+__all__ = ["FOLDED_NAME", "MATMUL_NAME", "MODES", "NAME", "SPLIT_NAME", "active", "applies", "enabled", "folded_sdpa",
+           "grouped_sdpa", "matmul_sdpa", "mode", "split_sdpa"]

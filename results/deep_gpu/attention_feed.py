@@ -13,7 +13,9 @@ captured in one CUDA graph (as ``--capture compiled_graph`` runs a step), three 
 - ``folded``: the query heads that share a key head folded into its query rows, the mask repeated for them
   once per step (not per layer), SDPA over the unrepeated cache with equal head counts;
 - ``matmul``: ppd's ``PPD_GROUPED_SDPA=matmul`` function (the folded rows as two batched matrix products
-  around a float32 softmax).
+  around a float32 softmax);
+- ``split``: ppd's ``PPD_GROUPED_SDPA=split`` function (its Triton kernel over pieces of the cache,
+  ``ppd.decoding.split_attention``).
 
     python results/deep_gpu/attention_feed.py --batch_sizes 1 16 64 --rows 1 17 64 --output feed.json
 """
@@ -59,8 +61,8 @@ def layers(way: str, q, k, v, cos, sin, keys, values, slots, mask, width):
         kw, vw = keys[layer][:, :, :width], values[layer][:, :, :width]
         if way == "repeat":
             o, _ = sdpa_attention_forward(Module(), qr, kw, vw, mask, scaling=DIM ** -0.5)
-        elif way == "matmul":
-            o, _ = grouped_sdpa(Module(), qr, kw, vw, mask, scaling=DIM ** -0.5, layout="matmul")
+        elif way in ("matmul", "split"):
+            o, _ = grouped_sdpa(Module(), qr, kw, vw, mask, scaling=DIM ** -0.5, layout=way)
         elif way == "gqa":
             o = F.scaled_dot_product_attention(qr, kw, vw, attn_mask=mask, enable_gqa=True).transpose(1, 2)
         else:

@@ -1,0 +1,59 @@
+"""The Triton kernel of :mod:`ppd.decoding.split_attention`, imported only where it runs (Triton comes with
+PyTorch's CUDA builds, not with its CPU ones)."""
+
+import triton
+import triton.language as tl
+
+
+def pieces(q, k, v, mask, out, lse,
+           q_b, q_h, q_t, k_b, k_h, k_w, v_b, v_h, v_w, m_b, m_t, o_p, o_b, o_r, l_p, l_b,
+           rows, folded, width, piece, scale,
+           GROUP: tl.constexpr, KEY_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+           BLOCK_D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """One piece of the cache for one batch row, key head and tile of folded rows: writes that piece's softmax-
+    weighted values (normalised within the piece) and its log-sum-exp."""
+    part = tl.program_id(0)
+    batch_head = tl.program_id(1)
+    tile = tl.program_id(2)
+    b = batch_head // KEY_HEADS
+    h = batch_head % KEY_HEADS
+    r = tile * BM + tl.arange(0, BM)  # folded rows of this tile
+    row_ok = r < folded
+    t = r % rows  # the tree row ...
+    g = r // rows  # ... of query head h * GROUP + g
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    query = tl.load(q + b * q_b + (h * GROUP + g)[:, None] * q_h + t[:, None] * q_t + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    start = part * piece
+    stop = tl.minimum(start + piece, width)
+    best = tl.full([BM], float("-inf"), tl.float32)
+    total = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, BLOCK_D], tl.float32)
+    for first in range(start, stop, BN):
+        n = first + tl.arange(0, BN)
+        n_ok = n < stop
+        keys = tl.load(k + b * k_b + h * k_h + n[None, :] * k_w + d[:, None],
+                       mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [D, BN]
+        scores = tl.dot(query, keys) * scale
+        added = tl.load(mask + b * m_b + t[:, None] * m_t + n[None, :], mask=row_ok[:, None] & n_ok[None, :],
+                        other=0.0)
+        scores = tl.where(n_ok[None, :], scores + added.to(tl.float32), float("-inf"))
+        new_best = tl.maximum(best, tl.max(scores, 1))
+        weights = tl.exp(scores - new_best[:, None])
+        kept = tl.exp(best - new_best)
+        total = total * kept + tl.sum(weights, 1)
+        values = tl.load(v + b * v_b + h * v_h + n[:, None] * v_w + d[None, :],
+                         mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BN, D]
+        acc = acc * kept[:, None] + tl.dot(weights.to(values.dtype), values)
+        best = new_best
+    acc = acc / total[:, None]
+    tl.store(out + part * o_p + b * o_b + h * o_r * folded + r[:, None] * o_r + d[None, :], acc,
+             mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(lse + part * l_p + b * l_b + h * folded + r, best + tl.log(total), mask=row_ok)
+
+
+
+# Compiled for a GPU; with TRITON_INTERPRET=1 set before Triton is first imported, run by Triton's interpreter on
+# CPU tensors instead (the tests do this in a process of their own).
+kernel = triton.jit(pieces)

@@ -1,0 +1,169 @@
+"""The tree step's split attention (``ppd.decoding.split_attention``, ``PPD_GROUPED_SDPA=split``): its Triton
+kernel gives SDPA's result over any number of pieces of the cache, and a dense step through it gives the same
+logits and greedy tokens as without it, with prompts far longer than the tree.
+
+On a CPU the kernel runs under Triton's interpreter, which must be switched on before Triton is first imported:
+each case runs in a Python process of its own (float32 and float16: the interpreter mishandles bfloat16, which
+the GPU test covers)."""
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[1]
+LONG = 600  # prompt tokens: several pieces of the cache on two threads
+
+
+def _reference(q, k, v, mask, scale):
+    return torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask.float(),
+                                                            scale=scale, enable_gqa=True)
+
+
+def _case_kernel():
+    from ppd.decoding.split_attention import split_attention
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [  # batch, query heads, key heads, rows, width, head size, pieces (0: by threads)
+        (2, 6, 2, 5, 300, 16, 0), (1, 9, 3, 30, 700, 64, 3), (2, 4, 4, 7, 130, 32, 2), (1, 4, 2, 70, 520, 8, 5),
+        (3, 2, 1, 3, 64, 24, 1), (1, 3, 1, 40, 257, 16, 2)]
+    for dtype in (torch.float32, torch.float16):
+        for batch, heads, key_heads, rows, width, dim, pieces in shapes:
+            q = torch.randn(batch, heads, rows, dim, generator=g).to(dtype)
+            # keys and values as the cache holds them: a view of the first ``width`` slots of a longer buffer
+            k = torch.randn(batch, key_heads, width + 37, dim, generator=g).to(dtype)[:, :, :width]
+            v = torch.randn(batch, key_heads, width + 37, dim, generator=g).to(dtype)[:, :, :width]
+            allowed = torch.rand(batch, 1, rows, width, generator=g) > 0.4
+            allowed[:, :, 0] = False
+            allowed[:, :, 0, :] = False
+            allowed[:, :, 0, -1] = True  # row 0 sees the last slot only, in the last piece
+            allowed[:, :, 1:, 0] = True
+            mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(dtype).min).to(dtype)
+            scale = dim ** -0.5
+            got = split_attention(q, k, v, mask, scale, pieces)
+            assert got.shape == q.shape and got.dtype == dtype
+            want = _reference(q, k, v, mask, scale)
+            tolerance = 1e-5 if dtype == torch.float32 else 2e-3
+            torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance)
+    try:
+        split_attention(q, k, v, mask.bool(), 1.0)
+    except ValueError as error:
+        assert "float mask [B, 1, T, W]" in str(error)
+    else:
+        raise AssertionError("a bool mask was taken")
+
+
+def _case_dense_step():
+    from ppd import Decoder
+    from tests.conftest import random_prompt_tokens, random_tree_set, tiny_model
+    from tests.test_tree_forward import tree_step_rows
+
+    for arch in ("llama", "qwen2"):
+        model = tiny_model(arch, seed=3, max_positions=1024)
+        decoder = Decoder(model, random_prompt_tokens(model, n=3, v=2, seed=3), random_tree_set(3, size=10))
+        prompt = [(5 * i + 1) % model.config.vocab_size for i in range(LONG)]
+        os.environ["PPD_GROUPED_SDPA"] = "split"
+        calls = []
+        from ppd.decoding import split_attention
+
+        original = split_attention.split_attention
+        split_attention.split_attention = lambda *a, **kw: calls.append(a[0].shape) or original(*a, **kw)
+        split = [logits.clone() for logits, row, *_ in tree_step_rows(decoder, prompt) if row == 0]
+        split_attention.split_attention = original
+        assert len(calls) == len(split) * model.config.num_hidden_layers, (len(calls), len(split))
+        os.environ["PPD_GROUPED_SDPA"] = "off"
+        repeated = [logits.clone() for logits, row, *_ in tree_step_rows(decoder, prompt) if row == 0]
+        for a, b in zip(split, repeated, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def _case_decoding():
+    from ppd import DecodeConfig, Decoder
+    from tests.conftest import random_prompt_tokens, random_tree_set, tiny_model
+    from tests.test_decoder import hf_greedy
+
+    os.environ["PPD_GROUPED_SDPA"] = "split"
+    model = tiny_model("mistral", seed=9, max_positions=1024)
+    vocab = model.config.vocab_size
+    rng = random.Random(9)
+    decoder = Decoder(model, random_prompt_tokens(model, 3, 2, seed=9), random_tree_set(9, size=14))
+    prompts = [[rng.randrange(vocab) for _ in range(length)] for length in (LONG, 170, 3)]
+    config = dict(max_new_tokens=30, stop_on_eos=False)
+    ppd = decoder.generate(prompts, DecodeConfig(method="ppd", **config))
+    base = decoder.generate(prompts, DecodeConfig(method="baseline", **config))
+    for prompt, a, b in zip(prompts, ppd, base):
+        assert a.token_ids == b.token_ids == hf_greedy(model, prompt, 30)
+    assert sum(o.steps for o in ppd) < sum(o.steps for o in base)  # guesses were accepted
+
+
+def _in_interpreter(case: str) -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
+        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    env.pop("PPD_GROUPED_SDPA", None)
+    done = subprocess.run([sys.executable, "-c", f"from tests.test_split_attention import {case}; {case}()"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+
+
+def test_the_kernel_equals_sdpa_in_any_number_of_pieces():
+    """Group sizes 1-3, head sizes 8-64 (padded to the kernel's 16 where smaller), 1-5 pieces, a cache view of a
+    longer buffer, a row that sees only the last slot: SDPA's result in float32 and float16; a bool mask is
+    refused with the shapes it takes."""
+    _in_interpreter("_case_kernel")
+
+
+def test_a_dense_tree_step_through_it_gives_the_same_logits():
+    """Llama and Qwen2 tiny models, a 600-token prompt (several pieces): every tree step of every key calls it in
+    every layer and gives the logits of the step through transformers' SDPA with repeated heads."""
+    _in_interpreter("_case_dense_step")
+
+
+def test_decoding_through_it_equals_greedy_generate():
+    """PPD through the split kernel, prompts of 600, 170 and 3 tokens in one batch: transformers' greedy tokens,
+    in fewer steps than the baseline."""
+    _in_interpreter("_case_decoding")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernel runs on a CUDA GPU")
+@pytest.mark.parametrize("capture", ["eager", "compiled_graph"])
+def test_on_a_gpu_it_equals_sdpa_and_the_captured_step_equals_the_eager_one(capture, monkeypatch):
+    """bfloat16 against SDPA; the compiled and captured step through it gives the eager step's tokens and
+    transformers' greedy ones, 2,000-token prompts among them."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ppd import DecodeConfig, Decoder
+    from ppd.decoding.split_attention import split_attention
+    from tests.conftest import random_prompt_tokens, random_tree_set
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, 9, 130, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 3, 8448, 64, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+    mask = torch.zeros(2, 1, 130, 8448, device="cuda", dtype=torch.bfloat16)
+    mask[..., 8000:] = torch.finfo(torch.bfloat16).min
+    torch.testing.assert_close(split_attention(q, k, v, mask, 0.125).float(), _reference(q, k, v, mask, 0.125),
+                               rtol=2e-2, atol=2e-2)
+
+    monkeypatch.setenv("PPD_GROUPED_SDPA", "split")
+    torch.manual_seed(13)
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=4096)
+    model = LlamaForCausalLM(config).eval().requires_grad_(False).cuda()
+    decoder = Decoder(model, random_prompt_tokens(model, 3, 1, seed=13), random_tree_set(13, size=10),
+                      max_seq_len=2100)
+    rng = random.Random(13)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (2000, 300, 7)]
+    settings = dict(max_new_tokens=24, stop_on_eos=False)
+    eager = decoder.generate(prompts, DecodeConfig(capture="eager", **settings))
+    got = decoder.generate(prompts, DecodeConfig(capture=capture, **settings))
+    assert [o.token_ids for o in got] == [o.token_ids for o in eager]
+    for prompt, out in zip(prompts, eager):
+        ids = torch.tensor([prompt], device="cuda")
+        hf = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)
+        assert out.token_ids == hf[0, len(prompt):].tolist()
