@@ -27,18 +27,19 @@ def _tensors(mask_dtype=torch.float32):
     return q, k, v, mask
 
 
-@pytest.mark.parametrize("mode", ["auto", "folded", "matmul"])
+@pytest.mark.parametrize("mode", ["auto", "folded", "matmul", "split"])
 @pytest.mark.parametrize("mask_dtype", [torch.float32, torch.bool])
 @pytest.mark.parametrize("per_head", [False, True])
 def test_equals_transformers_sdpa(mode, mask_dtype, per_head):
-    """Both layouts, a mask shared by every head or one per query head."""
+    """Every layout (``split`` on a CPU without Triton's interpreter: SDPA's), a mask shared by every head or one
+    per query head."""
     q, k, v, mask = _tensors(mask_dtype)
     if per_head:
         mask = torch.cat([mask, mask.flip(-1)] * 3, dim=1)  # [B, 6, T, W]: heads see different keys
         mask[..., 0] = True if mask_dtype == torch.bool else 0.0
     own = grouped_attention._own_sdpa()
     function = {"auto": grouped_attention.grouped_sdpa, "folded": grouped_attention.folded_sdpa,
-                "matmul": grouped_attention.matmul_sdpa}[mode]
+                "matmul": grouped_attention.matmul_sdpa, "split": grouped_attention.split_sdpa}[mode]
     got, _ = function(_Layer(), q, k, v, mask, scaling=0.25)
     want, _ = own(_Layer(), q, k, v, mask, scaling=0.25)
     assert got.shape == (2, 5, 6, 16)
@@ -93,5 +94,5 @@ def test_applies_only_to_grouped_sdpa_models(monkeypatch):
     monkeypatch.setenv("PPD_GROUPED_SDPA", "off")
     assert not grouped_attention.applies(llama.config, 2)
     monkeypatch.setenv("PPD_GROUPED_SDPA", "yes")
-    with pytest.raises(ValueError, match="PPD_GROUPED_SDPA must be one of auto, off, folded, matmul"):
+    with pytest.raises(ValueError, match="PPD_GROUPED_SDPA must be one of auto, off, folded, matmul, split"):
         grouped_attention.applies(llama.config, 2)

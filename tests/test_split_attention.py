@@ -22,8 +22,9 @@ LONG = 600  # prompt tokens: several pieces of the cache on two threads
 
 
 def _reference(q, k, v, mask, scale):
+    """SDPA in float32, laid out [B, T, Hq, D] as the split kernel returns it."""
     return torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask.float(),
-                                                            scale=scale, enable_gqa=True)
+                                                            scale=scale, enable_gqa=True).transpose(1, 2)
 
 
 def _case_kernel():
@@ -47,7 +48,7 @@ def _case_kernel():
             mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(dtype).min).to(dtype)
             scale = dim ** -0.5
             got = split_attention(q, k, v, mask, scale, pieces)
-            assert got.shape == q.shape and got.dtype == dtype
+            assert got.shape == q.transpose(1, 2).shape and got.dtype == dtype and got.is_contiguous()
             want = _reference(q, k, v, mask, scale)
             tolerance = 1e-5 if dtype == torch.float32 else 2e-3
             torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance)
@@ -57,6 +58,26 @@ def _case_kernel():
         assert "float mask [B, 1, T, W]" in str(error)
     else:
         raise AssertionError("a bool mask was taken")
+
+
+def _case_one_row_keeps_sdpa():
+    """A step of one row (the baseline's) keeps SDPA's decoding kernel; a tree step takes the split kernel."""
+    from ppd.decoding import grouped_attention, split_attention
+
+    class Layer:
+        is_causal, training, num_key_value_groups = True, False, 3
+
+    calls = []
+    original = split_attention.split_attention
+    split_attention.split_attention = lambda *a, **kw: calls.append(a[0].shape[2]) or original(*a, **kw)
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(1, 2, 300, 16, generator=g), torch.randn(1, 2, 300, 16, generator=g)
+    for rows in (1, 4):
+        q = torch.randn(1, 6, rows, 16, generator=g)
+        mask = torch.zeros(1, 1, rows, 300)
+        got, _ = grouped_attention.split_sdpa(Layer(), q, k, v, mask)
+        torch.testing.assert_close(got, _reference(q, k, v, mask, 0.25), rtol=1e-5, atol=1e-5)
+    assert calls == [4], calls
 
 
 def _case_dense_step():
@@ -118,6 +139,10 @@ def test_the_kernel_equals_sdpa_in_any_number_of_pieces():
     _in_interpreter("_case_kernel")
 
 
+def test_one_row_keeps_sdpa_and_a_tree_takes_the_kernel():
+    _in_interpreter("_case_one_row_keeps_sdpa")
+
+
 def test_a_dense_tree_step_through_it_gives_the_same_logits():
     """Llama and Qwen2 tiny models, a 600-token prompt (several pieces): every tree step of every key calls it in
     every layer and gives the logits of the step through transformers' SDPA with repeated heads."""
@@ -151,7 +176,7 @@ def test_on_a_gpu_it_equals_sdpa_and_the_captured_step_equals_the_eager_one(capt
 
     monkeypatch.setenv("PPD_GROUPED_SDPA", "split")
     torch.manual_seed(13)
-    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=256, hidden_size=192, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=4096)
     model = LlamaForCausalLM(config).eval().requires_grad_(False).cuda()
     decoder = Decoder(model, random_prompt_tokens(model, 3, 1, seed=13), random_tree_set(13, size=10),

@@ -78,13 +78,12 @@ def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
             or kwargs.get("s_aux") is not None or query.shape[1] == key.shape[1]):
         return _own_sdpa()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     batch, heads, rows, dim = query.shape
-    if layout == "split" and attention_mask.shape[1] == 1 and split_attention.runs_on(query):
+    if layout == "split" and rows > 1 and attention_mask.shape[1] == 1 and split_attention.runs_on(query):
         mask = attention_mask
         if mask.dtype == torch.bool:
             mask = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill(
                 ~mask, torch.finfo(query.dtype).min)
-        out = split_attention.split_attention(query, key, value, mask, dim ** -0.5 if scaling is None else scaling)
-        return out.transpose(1, 2).contiguous(), None
+        return split_attention.split_attention(query, key, value, mask, dim ** -0.5 if scaling is None else scaling), None
     if rows == 1 or layout in ("gqa", "split"):
         out = torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True)
