@@ -83,7 +83,8 @@ def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
         if mask.dtype == torch.bool:
             mask = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill(
                 ~mask, torch.finfo(query.dtype).min)
-        return split_attention.split_attention(query, key, value, mask, dim ** -0.5 if scaling is None else scaling), None
+        out = split_attention.split_attention(query, key, value, mask, dim ** -0.5 if scaling is None else scaling)
+        return out.transpose(1, 2).contiguous(), None
     if rows == 1 or layout in ("gqa", "split"):
         out = torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True)

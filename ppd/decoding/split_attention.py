@@ -41,13 +41,13 @@ def runs_on(tensor: torch.Tensor) -> bool:
     return HAS_TRITON and (tensor.is_cuda or INTERPRETED)
 
 
-def _kernels(device: torch.device):
+def _kernel(device: torch.device):
     from . import split_kernel
 
     if device.type != "cuda" and type(split_kernel.kernel).__name__ != "InterpretedFunction":
         raise RuntimeError("split attention runs on a CUDA GPU (or, for tests, on a CPU under Triton's interpreter: "
                            "TRITON_INTERPRET=1 set before Triton is imported)")
-    return split_kernel.kernel, split_kernel.merge_kernel
+    return split_kernel.kernel
 
 
 @functools.lru_cache(maxsize=None)
@@ -69,8 +69,7 @@ def piece_count(programs: int, width: int, processors: int) -> int:
 def split_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
                     scale: float, pieces: int = 0) -> torch.Tensor:
     """Attention of ``query`` [B, Hq, T, D] over ``key`` and ``value`` [B, Hkv, W, D] (Hkv dividing Hq) with the
-    additive float ``mask`` [B, 1, T, W]; returns [B, T, Hq, D] (the layout a model's attention function returns)
-    in the query's dtype. ``pieces``: how many
+    additive float ``mask`` [B, 1, T, W]; returns [B, Hq, T, D] in the query's dtype. ``pieces``: how many
     pieces to cut the width into (0: by the GPU's processor count, or a CPU's threads). One operator
     (``torch.ops.ppd.split_attention``) to torch.compile and CUDA graphs."""
     batch, heads, rows, dim = query.shape
@@ -101,26 +100,25 @@ def _operator(query, key, value, mask, scale, pieces):
     pieces = -(-width // piece)
     out = torch.empty(pieces, batch, key_heads, folded, dim, device=query.device, dtype=torch.float32)
     lse = torch.empty(pieces, batch, key_heads, folded, device=query.device, dtype=torch.float32)
-    final = torch.empty(batch, rows, heads, dim, device=query.device, dtype=query.dtype)
-    attend, merge = _kernels(query.device)
-    constants = dict(GROUP=group, KEY_HEADS=key_heads, HEAD_DIM=dim, BLOCK_D=max(16, 1 << (dim - 1).bit_length()),
-                     BM=BLOCK_M)
-    attend[(pieces, batch * key_heads, tiles)](
+    _kernel(query.device)[(pieces, batch * key_heads, tiles)](
         query, key, value, mask, out, lse,
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2), mask.stride(0), mask.stride(2),
         out.stride(0), out.stride(1), out.stride(3), lse.stride(0), lse.stride(1),
-        rows, folded, width, piece, scale, BN=BLOCK_N, **constants)
-    merge[(batch * key_heads, tiles)](
-        out, lse, final, out.stride(0), out.stride(1), out.stride(3), lse.stride(0), lse.stride(1),
-        final.stride(0), final.stride(1), final.stride(2), pieces, rows, folded, **constants)
-    return final
+        rows, folded, width, piece, scale,
+        GROUP=group, KEY_HEADS=key_heads, HEAD_DIM=dim, BLOCK_D=max(16, 1 << (dim - 1).bit_length()),
+        BM=BLOCK_M, BN=BLOCK_N)
+    if pieces == 1:
+        merged = out[0]
+    else:
+        weights = torch.softmax(lse, dim=0)  # each piece's share of the whole softmax's sum
+        merged = (out * weights[..., None]).sum(0)
+    return merged.view(batch, key_heads, group, rows, dim).reshape(batch, heads, rows, dim).to(query.dtype)
 
 
 @_operator.register_fake
 def _(query, key, value, mask, scale, pieces):
-    batch, heads, rows, dim = query.shape
-    return query.new_empty(batch, rows, heads, dim)
+    return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
 __all__ = ["BLOCK_M", "BLOCK_N", "HAS_TRITON", "INTERPRETED", "MIN_PIECE", "piece_count", "runs_on",

@@ -1,6 +1,5 @@
-"""The Triton kernels of :mod:`ppd.decoding.split_attention`, imported only where they run (Triton comes with
-PyTorch's CUDA builds, not with its CPU ones): one that attends over a piece of the cache, one that merges the
-pieces."""
+"""The Triton kernel of :mod:`ppd.decoding.split_attention`, imported only where it runs (Triton comes with
+PyTorch's CUDA builds, not with its CPU ones)."""
 
 import triton
 import triton.language as tl
@@ -55,37 +54,6 @@ def pieces(q, k, v, mask, out, lse,
 
 
 
-def merge(out, lse, final, o_p, o_b, o_r, l_p, l_b, f_b, f_t, f_h, count, rows, folded,
-          GROUP: tl.constexpr, KEY_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-          BM: tl.constexpr):
-    """The ``count`` pieces' results for one batch row, key head and tile of folded rows, weighted by their share
-    of the whole softmax's sum, written to ``final`` [B, T, Hq, D] (the layout the model's attention returns) in
-    its dtype."""
-    batch_head = tl.program_id(0)
-    tile = tl.program_id(1)
-    b = batch_head // KEY_HEADS
-    h = batch_head % KEY_HEADS
-    r = tile * BM + tl.arange(0, BM)
-    row_ok = r < folded
-    d = tl.arange(0, BLOCK_D)
-    both_ok = row_ok[:, None] & (d < HEAD_DIM)[None, :]
-    best = tl.full([BM], float("-inf"), tl.float32)
-    for part in range(0, count):
-        best = tl.maximum(best, tl.load(lse + part * l_p + b * l_b + h * folded + r, mask=row_ok, other=0.0))
-    total = tl.zeros([BM], tl.float32)
-    acc = tl.zeros([BM, BLOCK_D], tl.float32)
-    for part in range(0, count):
-        share = tl.exp(tl.load(lse + part * l_p + b * l_b + h * folded + r, mask=row_ok, other=0.0) - best)
-        total += share
-        acc += share[:, None] * tl.load(out + part * o_p + b * o_b + h * o_r * folded + r[:, None] * o_r + d[None, :],
-                                        mask=both_ok, other=0.0)
-    acc = acc / total[:, None]
-    head = h * GROUP + r // rows
-    tl.store(final + b * f_b + (r % rows)[:, None] * f_t + head[:, None] * f_h + d[None, :],
-             acc.to(final.dtype.element_ty), mask=both_ok)
-
-
 # Compiled for a GPU; with TRITON_INTERPRET=1 set before Triton is first imported, run by Triton's interpreter on
 # CPU tensors instead (the tests do this in a process of their own).
 kernel = triton.jit(pieces)
-merge_kernel = triton.jit(merge)
