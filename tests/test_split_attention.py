@@ -59,6 +59,37 @@ def _case_kernel():
         raise AssertionError("a bool mask was taken")
 
 
+def _case_kernel_tree_mask():
+    """With the rows' lengths the kernel takes the tree's own mask: the prefix seen by every row, the tree block
+    as the mask says, and nothing past the tree read (the stale tail holds NaN here, which one read would spread)."""
+    from ppd.attention import step_mask, to_additive
+    from ppd.decoding.split_attention import split_attention
+
+    g = torch.Generator().manual_seed(2)
+    for batch, heads, key_heads, rows, width, dim, pieces in [
+            (3, 6, 2, 5, 300, 16, 0), (2, 9, 3, 30, 700, 64, 3), (2, 4, 2, 7, 520, 8, 5), (1, 3, 1, 40, 257, 16, 2)]:
+        q = torch.randn(batch, heads, rows, dim, generator=g)
+        k = torch.randn(batch, key_heads, width, dim, generator=g)
+        v = torch.randn(batch, key_heads, width, dim, generator=g)
+        lengths = torch.randint(1, width - rows, (batch,), generator=g)
+        lengths[0] = width - rows  # a row whose tree ends at the last slot
+        allowed = (torch.rand(batch, rows, rows, generator=g) < 0.5) | torch.eye(rows, dtype=torch.bool)
+        dense = step_mask(allowed, lengths, torch.arange(width), torch.float32)
+        stale = torch.arange(width)[None, :] >= (lengths + rows)[:, None]  # [B, W]
+        want = _reference(q, k, v, dense, dim ** -0.5)
+        k = k.masked_fill(stale[:, None, :, None], float("nan"))
+        v = v.masked_fill(stale[:, None, :, None], float("nan"))
+        got = split_attention(q, k, v, to_additive(allowed[:, None], torch.float32), dim ** -0.5, pieces,
+                              lengths=lengths)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    try:
+        split_attention(q, k, v, dense, 1.0, lengths=lengths)
+    except ValueError as error:
+        assert "with lengths [B], [B, 1, T, T]" in str(error)
+    else:
+        raise AssertionError("a mask over the whole width was taken with lengths")
+
+
 def _case_one_row_keeps_sdpa():
     """A step of one row (the baseline's) keeps SDPA's decoding kernel; a tree step takes the split kernel."""
     from ppd.decoding import grouped_attention, split_attention
@@ -105,21 +136,31 @@ def _case_dense_step():
 
 def _case_decoding():
     from ppd import DecodeConfig, Decoder
+    from ppd.decoding import split_attention
     from tests.conftest import random_prompt_tokens, random_tree_set, tiny_model
     from tests.test_decoder import hf_greedy
 
     os.environ["PPD_GROUPED_SDPA"] = "split"
-    model = tiny_model("mistral", seed=9, max_positions=1024)
-    vocab = model.config.vocab_size
-    rng = random.Random(9)
-    decoder = Decoder(model, random_prompt_tokens(model, 3, 2, seed=9), random_tree_set(9, size=14))
-    prompts = [[rng.randrange(vocab) for _ in range(length)] for length in (LONG, 170, 3)]
-    config = dict(max_new_tokens=30, stop_on_eos=False)
-    ppd = decoder.generate(prompts, DecodeConfig(method="ppd", **config))
-    base = decoder.generate(prompts, DecodeConfig(method="baseline", **config))
-    for prompt, a, b in zip(prompts, ppd, base):
-        assert a.token_ids == b.token_ids == hf_greedy(model, prompt, 30)
-    assert sum(o.steps for o in ppd) < sum(o.steps for o in base)  # guesses were accepted
+    seen = []  # each time the kernel runs: query rows, the mask's last dimension, whether lengths came with it
+    original = split_attention.split_attention
+    split_attention.split_attention = lambda *a, **kw: (
+        seen.append((a[0].shape[2], a[3].shape[-1], kw.get("lengths") is not None)) or original(*a, **kw))
+    for arch, window in (("llama", None), ("mistral", 200)):  # a sliding window: masks over the whole width
+        model = tiny_model(arch, seed=9, max_positions=1024, window=window)
+        vocab = model.config.vocab_size
+        rng = random.Random(9)
+        decoder = Decoder(model, random_prompt_tokens(model, 3, 2, seed=9), random_tree_set(9, size=14))
+        prompts = [[rng.randrange(vocab) for _ in range(length)] for length in (LONG, 170, 3)]
+        config = dict(max_new_tokens=30, stop_on_eos=False)
+        seen.clear()
+        ppd = decoder.generate(prompts, DecodeConfig(method="ppd", **config))
+        base = decoder.generate(prompts, DecodeConfig(method="baseline", **config))
+        for prompt, a, b in zip(prompts, ppd, base):
+            assert a.token_ids == b.token_ids == hf_greedy(model, prompt, 30)
+        assert sum(o.steps for o in ppd) < sum(o.steps for o in base)  # guesses were accepted
+        tree_steps = [(rows, width, compact) for rows, width, compact in seen if rows < 100]  # not the prefills
+        assert tree_steps and all(compact == (window is None) and (width == rows) == compact
+                                  for rows, width, compact in tree_steps), seen
 
 
 def _in_interpreter(case: str) -> None:
@@ -138,6 +179,10 @@ def test_the_kernel_equals_sdpa_in_any_number_of_pieces():
     _in_interpreter("_case_kernel")
 
 
+def test_with_lengths_it_reads_the_tree_mask_and_nothing_past_the_tree():
+    _in_interpreter("_case_kernel_tree_mask")
+
+
 def test_one_row_keeps_sdpa_and_a_tree_takes_the_kernel():
     _in_interpreter("_case_one_row_keeps_sdpa")
 
@@ -150,7 +195,8 @@ def test_a_dense_tree_step_through_it_gives_the_same_logits():
 
 def test_decoding_through_it_equals_greedy_generate():
     """PPD through the split kernel, prompts of 600, 170 and 3 tokens in one batch: transformers' greedy tokens,
-    in fewer steps than the baseline."""
+    in fewer steps than the baseline; a Llama's tree steps hand the kernel the tree's own mask and the lengths, a
+    Mistral's with a sliding window the mask over the whole width."""
     _in_interpreter("_case_decoding")
 
 

@@ -40,6 +40,7 @@ NAME = "ppd_grouped_sdpa"  # the attention implementations this module registers
 FOLDED_NAME = "ppd_grouped_sdpa_folded"
 MATMUL_NAME = "ppd_grouped_matmul"
 SPLIT_NAME = "ppd_grouped_split"
+LENGTHS_KEYWORD = "ppd_lengths"  # the model keyword a split tree step passes its rows' cache lengths under
 
 MODES = ("auto", "off", "folded", "matmul", "split")
 
@@ -73,17 +74,28 @@ def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
     the query heads folded into rows of their key head (``folded``), those folded rows as two batched
     matrix products around a float32 softmax (``matmul``), or ppd's kernel that cuts the cache into pieces
     (``split``, :mod:`ppd.decoding.split_attention`; where it cannot run, a mask per query head or no GPU, the
-    ``gqa`` way). One row always runs the ``gqa`` way."""
+    ``gqa`` way). One row always runs the ``gqa`` way.
+
+    A tree step whose keyword ``ppd_lengths`` [B] is given (``tree_decoding`` under the ``split`` layout) hands
+    the tree's own mask [B, 1, T, T] instead of the whole width's: only the split kernel reads that, and any other
+    path refuses it."""
+    lengths = kwargs.pop(LENGTHS_KEYWORD, None)
+    batch, heads, rows, dim = query.shape
+    if lengths is not None and not (layout == "split" and rows > 1 and split_attention.runs_on(query)):
+        raise RuntimeError("a tree step's own mask (with its lengths) reached an attention path other than the split "
+                           "kernel, which alone reads it")
     if (not isinstance(attention_mask, torch.Tensor) or dropout or kwargs.get("softcap")
             or kwargs.get("s_aux") is not None or query.shape[1] == key.shape[1]):
+        if lengths is not None:
+            raise RuntimeError("a tree step's own mask reached transformers' SDPA function, which cannot read it")
         return _own_sdpa()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    batch, heads, rows, dim = query.shape
     if layout == "split" and rows > 1 and attention_mask.shape[1] == 1 and split_attention.runs_on(query):
         mask = attention_mask
         if mask.dtype == torch.bool:
             mask = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill(
                 ~mask, torch.finfo(query.dtype).min)
-        out = split_attention.split_attention(query, key, value, mask, dim ** -0.5 if scaling is None else scaling)
+        out = split_attention.split_attention(query, key, value, mask, dim ** -0.5 if scaling is None else scaling,
+                                              lengths=lengths)
         return out.transpose(1, 2).contiguous(), None
     if rows == 1 or layout in ("gqa", "split"):
         out = torch.nn.functional.scaled_dot_product_attention(
@@ -147,8 +159,8 @@ def matmul_sdpa(*args, **kwargs) -> tuple[torch.Tensor, None]:
 
 def active(model_config):
     """Within this block, the model's attention layers run :func:`grouped_sdpa` (or :func:`folded_sdpa`,
-    :func:`matmul_sdpa` or :func:`split_sdpa`, as ``PPD_GROUPED_SDPA`` says); the model's own implementation comes back afterwards,
-    whatever happens inside."""
+    :func:`matmul_sdpa` or :func:`split_sdpa`, as ``PPD_GROUPED_SDPA`` says); the model's own implementation
+    comes back afterwards, whatever happens inside."""
     chosen = mode()
     if chosen == "folded":
         return attention_switch.switched(model_config, FOLDED_NAME, folded_sdpa)
@@ -159,6 +171,14 @@ def active(model_config):
     return attention_switch.switched(model_config, NAME, grouped_sdpa)
 
 
+def compact_tree_mask(model_config, query_group: int, windows, device: torch.device) -> bool:
+    """Whether a dense tree step hands the split kernel its tree's own mask and its rows' lengths
+    (:data:`LENGTHS_KEYWORD`) instead of a mask over the cache's whole width: ``PPD_GROUPED_SDPA=split``, where
+    the function applies, no layer has a sliding window, and the kernel runs on ``device``."""
+    return (mode() == "split" and applies(model_config, query_group) and all(w is None for w in windows)
+            and split_attention.runs_on(torch.empty(0, device=device)))
+
+
 def applies(model_config, query_group: int) -> bool:
     """Whether a dense step of this model runs :func:`grouped_sdpa`: its query heads are grouped, its own
     attention (and every sub-config's) is ``sdpa``, and ``PPD_GROUPED_SDPA`` allows it."""
@@ -166,5 +186,5 @@ def applies(model_config, query_group: int) -> bool:
             and all(c._attn_implementation == "sdpa" for c in attention_switch.configs_of(model_config)))
 
 
-__all__ = ["FOLDED_NAME", "MATMUL_NAME", "MODES", "NAME", "SPLIT_NAME", "active", "applies", "enabled", "folded_sdpa",
-           "grouped_sdpa", "matmul_sdpa", "mode", "split_sdpa"]
+__all__ = ["FOLDED_NAME", "LENGTHS_KEYWORD", "MATMUL_NAME", "MODES", "NAME", "SPLIT_NAME", "active", "applies",
+           "compact_tree_mask", "enabled", "folded_sdpa", "grouped_sdpa", "matmul_sdpa", "mode", "split_sdpa"]

@@ -14,7 +14,11 @@ took 5.5 ms at 8K against 2.4 ms at 1K). This kernel gives the work the cache's 
 * the pieces are merged by their log-sum-exp, which gives the softmax over the whole width.
 
 Scores, the softmax and the merge run in float32 and the mask is added to each score as the model's own SDPA adds
-it, so the result is SDPA's up to float summation order. Written in Triton; on a CPU the same kernel runs through
+it, so the result is SDPA's up to float summation order. A tree step of a model without sliding windows hands the
+kernel its rows' cache lengths and the tree's own mask ``[B, 1, T, T]`` instead of the ``[B, 1, T, W]`` one
+(``LanguageModel.compact_mask``): every slot below a row's length is seen, the tree's slots as its mask says, and
+the pieces stop reading at the tree's last slot, so the step's mask takes O(T^2 B) memory, not O(T W B), and the
+cache's unused tail is never read. Written in Triton; on a CPU the same kernel runs through
 Triton's interpreter (for the tests only: it is slow). ``PPD_GROUPED_SDPA=split`` selects it for dense tree steps
 (:mod:`ppd.decoding.grouped_attention`).
 """
@@ -67,27 +71,34 @@ def piece_count(programs: int, width: int, processors: int) -> int:
 
 
 def split_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                    scale: float, pieces: int = 0) -> torch.Tensor:
+                    scale: float, pieces: int = 0, lengths: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of ``query`` [B, Hq, T, D] over ``key`` and ``value`` [B, Hkv, W, D] (Hkv dividing Hq) with the
-    additive float ``mask`` [B, 1, T, W]; returns [B, Hq, T, D] in the query's dtype. ``pieces``: how many
-    pieces to cut the width into (0: by the GPU's processor count, or a CPU's threads). One operator
-    (``torch.ops.ppd.split_attention``) to torch.compile and CUDA graphs."""
+    additive float ``mask`` [B, 1, T, W]; returns [B, Hq, T, D] in the query's dtype. With ``lengths`` [B] the mask
+    is the tree's own [B, 1, T, T] instead: row b's slots below ``lengths[b]`` are seen by every row, slot
+    ``lengths[b] + j`` as the mask's column ``j`` says, and slots past the tree are never read (the step's
+    memory for its mask is then O(T^2 B), not O(T W B)). ``pieces``: how many pieces to cut the width into (0: by
+    the GPU's processor count, or a CPU's threads). One operator (``torch.ops.ppd.split_attention``) to
+    torch.compile and CUDA graphs."""
     batch, heads, rows, dim = query.shape
     key_heads, width = key.shape[1], key.shape[2]
+    columns = rows if lengths is not None else width
     if (heads % key_heads or value.shape[:3] != key.shape[:3] or value.shape[3] != dim or key.shape[3] != dim
-            or mask.shape != (batch, 1, rows, width) or mask.dtype == torch.bool):
+            or mask.shape != (batch, 1, rows, columns) or mask.dtype == torch.bool
+            or (lengths is not None and lengths.shape != (batch,))):
         raise ValueError(f"split attention takes query [B, Hq, T, D], key and value [B, Hkv, W, D] and a float "
-                         f"mask [B, 1, T, W]; got {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}, "
-                         f"{tuple(mask.shape)} {mask.dtype}")
+                         f"mask [B, 1, T, W] (or, with lengths [B], [B, 1, T, T]); got {tuple(query.shape)}, "
+                         f"{tuple(key.shape)}, {tuple(value.shape)}, {tuple(mask.shape)} {mask.dtype}"
+                         + ("" if lengths is None else f", lengths {tuple(lengths.shape)}"))
     for name, tensor in (("query", query), ("key", key), ("value", value), ("mask", mask)):
         if tensor.stride(-1) != 1:
             raise ValueError(f"split attention needs the {name}'s last dimension contiguous")
-    return torch.ops.ppd.split_attention(query, key, value, mask, float(scale), pieces)
+    return torch.ops.ppd.split_attention(query, key, value, mask, lengths, float(scale), pieces)
 
 
 @torch.library.custom_op("ppd::split_attention", mutates_args=(),
-                         schema="(Tensor query, Tensor key, Tensor value, Tensor mask, float scale, int pieces) -> Tensor")
-def _operator(query, key, value, mask, scale, pieces):
+                         schema="(Tensor query, Tensor key, Tensor value, Tensor mask, Tensor? lengths, float scale, "
+                                "int pieces) -> Tensor")
+def _operator(query, key, value, mask, lengths, scale, pieces):
     batch, heads, rows, dim = query.shape
     key_heads, width = key.shape[1], key.shape[2]
     group = heads // key_heads
@@ -100,24 +111,25 @@ def _operator(query, key, value, mask, scale, pieces):
     pieces = -(-width // piece)
     out = torch.empty(pieces, batch, key_heads, folded, dim, device=query.device, dtype=torch.float32)
     lse = torch.empty(pieces, batch, key_heads, folded, device=query.device, dtype=torch.float32)
+    tree = lengths is not None
     _kernel(query.device)[(pieces, batch * key_heads, tiles)](
-        query, key, value, mask, out, lse,
+        query, key, value, mask, lengths if tree else lse, out, lse,
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2), mask.stride(0), mask.stride(2),
         out.stride(0), out.stride(1), out.stride(3), lse.stride(0), lse.stride(1),
         rows, folded, width, piece, scale,
         GROUP=group, KEY_HEADS=key_heads, HEAD_DIM=dim, BLOCK_D=max(16, 1 << (dim - 1).bit_length()),
-        BM=BLOCK_M, BN=BLOCK_N)
+        BM=BLOCK_M, BN=BLOCK_N, TREE=tree)
     if pieces == 1:
         merged = out[0]
     else:
-        weights = torch.softmax(lse, dim=0)  # each piece's share of the whole softmax's sum
+        weights = torch.softmax(lse, dim=0)  # each piece's share of the whole softmax's sum (an empty piece: 0)
         merged = (out * weights[..., None]).sum(0)
     return merged.view(batch, key_heads, group, rows, dim).reshape(batch, heads, rows, dim).to(query.dtype)
 
 
 @_operator.register_fake
-def _(query, key, value, mask, scale, pieces):
+def _(query, key, value, mask, lengths, scale, pieces):
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 

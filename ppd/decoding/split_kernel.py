@@ -5,13 +5,16 @@ import triton
 import triton.language as tl
 
 
-def pieces(q, k, v, mask, out, lse,
+def pieces(q, k, v, mask, lengths, out, lse,
            q_b, q_h, q_t, k_b, k_h, k_w, v_b, v_h, v_w, m_b, m_t, o_p, o_b, o_r, l_p, l_b,
            rows, folded, width, piece, scale,
            GROUP: tl.constexpr, KEY_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-           BLOCK_D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+           BLOCK_D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, TREE: tl.constexpr):
     """One piece of the cache for one batch row, key head and tile of folded rows: writes that piece's softmax-
-    weighted values (normalised within the piece) and its log-sum-exp."""
+    weighted values (normalised within the piece) and its log-sum-exp. ``mask`` is added to the scores: the whole
+    width's ``[B, 1, T, W]``, or with ``TREE`` the tree's own ``[B, 1, T, T]``, slot ``L_b + j`` its column ``j``,
+    every slot below the row's length ``L_b`` seen and nothing past ``L_b + T`` read (an empty piece writes a
+    log-sum-exp of minus infinity)."""
     part = tl.program_id(0)
     batch_head = tl.program_id(1)
     tile = tl.program_id(2)
@@ -27,6 +30,9 @@ def pieces(q, k, v, mask, out, lse,
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     start = part * piece
     stop = tl.minimum(start + piece, width)
+    if TREE:
+        length = tl.load(lengths + b)
+        stop = tl.minimum(stop, length + rows)
     best = tl.full([BM], float("-inf"), tl.float32)
     total = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BLOCK_D], tl.float32)
@@ -36,8 +42,13 @@ def pieces(q, k, v, mask, out, lse,
         keys = tl.load(k + b * k_b + h * k_h + n[None, :] * k_w + d[:, None],
                        mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [D, BN]
         scores = tl.dot(query, keys) * scale
-        added = tl.load(mask + b * m_b + t[:, None] * m_t + n[None, :], mask=row_ok[:, None] & n_ok[None, :],
-                        other=0.0)
+        if TREE:  # the prefix (a negative column) is seen: no read
+            column = n - length
+            added = tl.load(mask + b * m_b + t[:, None] * m_t + column[None, :],
+                            mask=row_ok[:, None] & (n_ok & (column >= 0))[None, :], other=0.0)
+        else:
+            added = tl.load(mask + b * m_b + t[:, None] * m_t + n[None, :], mask=row_ok[:, None] & n_ok[None, :],
+                            other=0.0)
         scores = tl.where(n_ok[None, :], scores + added.to(tl.float32), float("-inf"))
         new_best = tl.maximum(best, tl.max(scores, 1))
         weights = tl.exp(scores - new_best[:, None])
@@ -47,11 +58,11 @@ def pieces(q, k, v, mask, out, lse,
                          mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BN, D]
         acc = acc * kept[:, None] + tl.dot(weights.to(values.dtype), values)
         best = new_best
+    total = tl.maximum(total, 1e-30)  # at least 1 wherever a slot was read; an empty piece keeps 0 / 1e-30
     acc = acc / total[:, None]
     tl.store(out + part * o_p + b * o_b + h * o_r * folded + r[:, None] * o_r + d[None, :], acc,
              mask=row_ok[:, None] & d_ok[None, :])
     tl.store(lse + part * l_p + b * l_b + h * folded + r, best + tl.log(total), mask=row_ok)
-
 
 
 # Compiled for a GPU; with TRITON_INTERPRET=1 set before Triton is first imported, run by Triton's interpreter on

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..acceptance import accept_candidates, longest_accepted_path, sample_tokens, walk_tree
-from ..attention import LayerAttention, step_mask
+from ..attention import LayerAttention, step_mask, to_additive
 from ..config import DecodeConfig
 from ..deep_prompts import DeepWeights, LayerOffsets
 from ..prefill import average_copies
@@ -51,6 +51,9 @@ class LanguageModel:
     # Attention runs FlexAttention over a block mask made from the lengths (``ppd.decoding.tree_attention``)
     # instead of the model's own attention over a dense float mask.
     flex: bool = False
+    # Tree steps hand the split attention kernel their tree's own mask and their rows' lengths instead of a mask
+    # over the whole cache (``grouped_attention.compact_tree_mask``; decided on the host in :meth:`stepping`).
+    compact_mask: bool = False
     # Deep prompt tokens' hooks (``ppd.deep_prompts``), told each step which rows are prompt rows, and what
     # they add (offsets and low-rank maps, the maps also merged where ``deep_prompts.merges_maps`` says; the
     # model's dtype): inputs of the step like its tables.
@@ -86,10 +89,14 @@ class LanguageModel:
     def stepping(self):
         """The context a step's forward runs in (host side: entered around the compiled or captured call): the
         model's attention layers switched to ppd's FlexAttention function where :attr:`flex` is set, else to
-        SDPA over the unrepeated key heads where :func:`grouped_attention.applies`."""
+        SDPA over the unrepeated key heads where :func:`grouped_attention.applies` (and :attr:`compact_mask` set
+        for this step as :func:`grouped_attention.compact_tree_mask` says)."""
+        self.compact_mask = False
         if self.flex:
             return tree_attention.active(self.body.config)
         if grouped_attention.applies(self.body.config, self.query_group):
+            self.compact_mask = grouped_attention.compact_tree_mask(
+                self.body.config, self.query_group, self.layers.kinds.values(), self.embed.weight.device)
             return grouped_attention.active(self.body.config)
         return contextlib.nullcontext()
 
@@ -200,19 +207,25 @@ def tree_decoding(lm: LanguageModel, state: DecodeState, rows: Candidates, slot_
     num_rows = rows.embeds.shape[1]
     positions = lengths[:, None] + rows.offsets
     slots = lengths[:, None] + torch.arange(num_rows, device=lengths.device)[None, :]
+    extra = {}
     if lm.flex:
         width, key_heads = slot_ids.shape[0], lm.key_heads
         chunks = tree_attention.kv_chunks(lengths.shape[0], key_heads, num_rows * lm.query_group, width, lengths.device)
         masks = {kind: tree_attention.tree_block_mask(rows.allowed, lengths, rows.offsets, width, window,
                                                       lm.query_group, chunks, key_heads)
                  for kind, window in lm.layers.kinds.items()}
+    elif lm.compact_mask and num_rows > 1:  # the split kernel reads the prefix from the lengths
+        tree = to_additive(rows.allowed.expand(lengths.shape[0], num_rows, num_rows)[:, None], rows.embeds.dtype)
+        masks = {kind: tree for kind in lm.layers.kinds}
+        extra = {grouped_attention.LENGTHS_KEYWORD: lengths}
     else:
         masks = {kind: step_mask(rows.allowed, lengths, slot_ids, rows.embeds.dtype, rows.offsets, window)
                  for kind, window in lm.layers.kinds.items()}
     if lm.offsets is not None:
         lm.offsets.set(rows.prompt_rows, lm.offset_table, merged=True)  # a few hundred rows: one product a layer
+    extra[lm.cache_key] = state.kv.view(slots, slot_ids.shape[0])
     hidden = lm.body(inputs_embeds=rows.embeds, attention_mask=lm.layers.pack(masks), position_ids=positions,
-                     use_cache=True, **{lm.cache_key: state.kv.view(slots, slot_ids.shape[0])}).last_hidden_state
+                     use_cache=True, **extra).last_hidden_state
     if lm.offsets is not None:
         lm.offsets.set(None, None)
     return hidden
