@@ -176,7 +176,7 @@ def compact_tree_mask(model_config, query_group: int, windows, device: torch.dev
     (:data:`LENGTHS_KEYWORD`) instead of a mask over the cache's whole width: ``PPD_GROUPED_SDPA=split``, where
     the function applies, no layer has a sliding window, and the kernel runs on ``device``."""
     return (mode() == "split" and applies(model_config, query_group) and all(w is None for w in windows)
-            and split_attention.runs_on(torch.empty(0, device=device)))
+            and split_attention.runs_on_device(torch.device(device)))
 
 
 def applies(model_config, query_group: int) -> bool:

@@ -42,7 +42,12 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter,
 def runs_on(tensor: torch.Tensor) -> bool:
     """Whether the kernel can take ``tensor``: on a CUDA GPU with Triton, or on a CPU under Triton's interpreter.
     Reads module constants only, so that a compiled step's trace needs no guard on them."""
-    return HAS_TRITON and (tensor.is_cuda or INTERPRETED)
+    return runs_on_device(tensor.device)
+
+
+def runs_on_device(device: torch.device) -> bool:
+    """:func:`runs_on` for tensors on ``device``."""
+    return HAS_TRITON and (device.type == "cuda" or INTERPRETED)
 
 
 def _kernel(device: torch.device):
@@ -133,5 +138,5 @@ def _(query, key, value, mask, lengths, scale, pieces):
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
-__all__ = ["BLOCK_M", "BLOCK_N", "HAS_TRITON", "INTERPRETED", "MIN_PIECE", "piece_count", "runs_on",
+__all__ = ["BLOCK_M", "BLOCK_N", "HAS_TRITON", "INTERPRETED", "MIN_PIECE", "piece_count", "runs_on", "runs_on_device",
            "split_attention"]
