@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parents[1]
-LONG = 600  # prompt tokens: several pieces of the cache on two threads
+LONG = 600  # prompt tokens: a cache of several pieces
 
 
 def _reference(q, k, v, mask, scale):
@@ -51,6 +51,13 @@ def _case_kernel():
             want = _reference(q, k, v, mask, scale)
             tolerance = 1e-5 if dtype == torch.float32 else 2e-3
             torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance)
+    # a mask of -inf (not the dtype's most negative value) over a whole block of slots for some rows
+    q, k, v = (torch.randn(1, 4, 6, 16, generator=g), torch.randn(1, 2, 200, 16, generator=g),
+               torch.randn(1, 2, 200, 16, generator=g))
+    mask = torch.zeros(1, 1, 6, 200)
+    mask[:, :, :3, :100] = float("-inf")
+    torch.testing.assert_close(split_attention(q, k, v, mask, 0.25, 3), _reference(q, k, v, mask, 0.25),
+                               rtol=1e-5, atol=1e-5)
     try:
         split_attention(q, k, v, mask.bool(), 1.0)
     except ValueError as error:
@@ -110,11 +117,20 @@ def _case_one_row_keeps_sdpa():
     assert calls == [4], calls
 
 
+def _several_pieces():
+    """Have the model-level cases cut every cache into several pieces (and merge them), whatever this machine's
+    thread count: up to 4 pieces of at least 128 slots."""
+    from ppd.decoding import split_attention
+
+    split_attention.piece_count = lambda programs, width, processors: max(1, min(4, width // 128))
+
+
 def _case_dense_step():
     from ppd import Decoder
     from tests.conftest import random_prompt_tokens, random_tree_set, tiny_model
     from tests.test_tree_forward import tree_step_rows
 
+    _several_pieces()
     for arch in ("llama", "qwen2"):
         model = tiny_model(arch, seed=3, max_positions=1024)
         decoder = Decoder(model, random_prompt_tokens(model, n=3, v=2, seed=3), random_tree_set(3, size=10))
@@ -141,6 +157,7 @@ def _case_decoding():
     from tests.test_decoder import hf_greedy
 
     os.environ["PPD_GROUPED_SDPA"] = "split"
+    _several_pieces()
     seen = []  # each time the kernel runs: query rows, the mask's last dimension, whether lengths came with it
     original = split_attention.split_attention
     split_attention.split_attention = lambda *a, **kw: (

@@ -19,13 +19,17 @@ groups its query heads; ``PPD_GROUPED_SDPA=off`` keeps transformers' function (f
 query head per key head instead, the group's heads one after another in its rows, with the mask repeated for
 them: in the same diagnostic (its rows ordered head within row, the same work), a batch-16 step of 64 rows
 took 669 us that way against 803 with ``enable_gqa`` and batch 64 with 17 rows 905 against 1,587, but batch 1
-with 64 rows 458 against 415. ``PPD_GROUPED_SDPA=matmul`` (experimental, not timed yet) computes those folded
+with 64 rows 458 against 415. ``PPD_GROUPED_SDPA=matmul`` (experimental) computes those folded
 rows as two batched matrix products around a float32 softmax, for long caches: on the same H200 a 16-row tree
 step took 2.4 ms at 1K context and 5.5 ms at 8K at batch 1 (14 ms at batch 16), where one row took 1.4-1.5 ms
 at both (2.6 ms at batch 16; `results/deep_gpu/h200/v7/long_context_dense.json`), as if the attention kernel
 walked the whole cache in one block per head and row tile; a matrix product spreads over the cache's width
-instead. Anything this function does not handle itself (no mask, attention dropout, soft-capping, attention
-sinks, equal head counts) goes to transformers' own SDPA function unchanged.
+instead. ``PPD_GROUPED_SDPA=split`` (opt-in) runs a tree step's attention through ppd's Triton kernel over pieces
+of the cache (:mod:`ppd.decoding.split_attention`): attention alone over 8K slots at batch 1 with 130 rows took 1.2
+ms against the matrix products' 1.8, and at 8K a 128-row tree then decoded at 1.31x the baseline on an H200
+(`results/deep_gpu/h200/v13/`); one row keeps SDPA. Anything this function does not handle itself (no mask,
+attention dropout, soft-capping, attention sinks, equal head counts) goes to transformers' own SDPA function
+unchanged.
 """
 
 from __future__ import annotations
@@ -81,15 +85,17 @@ def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
     path refuses it."""
     lengths = kwargs.pop(LENGTHS_KEYWORD, None)
     batch, heads, rows, dim = query.shape
-    if lengths is not None and not (layout == "split" and rows > 1 and split_attention.runs_on(query)):
-        raise RuntimeError("a tree step's own mask (with its lengths) reached an attention path other than the split "
-                           "kernel, which alone reads it")
-    if (not isinstance(attention_mask, torch.Tensor) or dropout or kwargs.get("softcap")
-            or kwargs.get("s_aux") is not None or query.shape[1] == key.shape[1]):
-        if lengths is not None:
-            raise RuntimeError("a tree step's own mask reached transformers' SDPA function, which cannot read it")
+    splits = (layout == "split" and rows > 1 and isinstance(attention_mask, torch.Tensor)
+              and attention_mask.shape[1] == 1 and not dropout and not kwargs.get("softcap")
+              and kwargs.get("s_aux") is None and value.shape[-1] == dim and query.dtype == key.dtype == value.dtype
+              and split_attention.runs_on(query))
+    if lengths is not None and not splits:
+        raise RuntimeError("a tree step's own mask (with its rows' lengths) reached an attention path other than the "
+                           "split kernel, which alone reads it; unset PPD_GROUPED_SDPA=split for this model")
+    if not splits and (not isinstance(attention_mask, torch.Tensor) or dropout or kwargs.get("softcap")
+                       or kwargs.get("s_aux") is not None or query.shape[1] == key.shape[1]):
         return _own_sdpa()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    if layout == "split" and rows > 1 and attention_mask.shape[1] == 1 and split_attention.runs_on(query):
+    if splits:
         mask = attention_mask
         if mask.dtype == torch.bool:
             mask = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill(

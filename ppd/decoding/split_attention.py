@@ -13,8 +13,9 @@ took 5.5 ms at 8K against 2.4 ms at 1K). This kernel gives the work the cache's 
   float32;
 * the pieces are merged by their log-sum-exp, which gives the softmax over the whole width.
 
-Scores, the softmax and the merge run in float32 and the mask is added to each score as the model's own SDPA adds
-it, so the result is SDPA's up to float summation order. A tree step of a model without sliding windows hands the
+Scores, the softmax and the merge run in float32 (the weights are rounded to the values' dtype before their product
+with the values, as flash attention does; float32 inputs are multiplied in full precision, not TF32) and the mask
+is added to each score as the model's own SDPA adds it, so the result is SDPA's up to rounding. A tree step of a model without sliding windows hands the
 kernel its rows' cache lengths and the tree's own mask ``[B, 1, T, T]`` instead of the ``[B, 1, T, W]`` one
 (``LanguageModel.compact_mask``): every slot below a row's length is seen, the tree's slots as its mask says, and
 the pieces stop reading at the tree's last slot, so the step's mask takes O(T^2 B) memory, not O(T W B), and the
@@ -41,7 +42,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter,
 
 def runs_on(tensor: torch.Tensor) -> bool:
     """Whether the kernel can take ``tensor``: on a CUDA GPU with Triton, or on a CPU under Triton's interpreter.
-    Reads module constants only, so that a compiled step's trace needs no guard on them."""
+    Reads module constants only (a compiled step's trace guards on them as constants)."""
     return runs_on_device(tensor.device)
 
 
@@ -70,7 +71,8 @@ def _round_up(n: int, unit: int) -> int:
 
 def piece_count(programs: int, width: int, processors: int) -> int:
     """Pieces to cut ``width`` slots into so that ``programs`` tiles (batch rows x key heads x row tiles) become
-    about two programs per processor, no piece shorter than :data:`MIN_PIECE` slots."""
+    about two programs per processor, no more pieces than ``width / MIN_PIECE`` rounded up (the pieces are then
+    evened out, so one may hold fewer than :data:`MIN_PIECE` slots)."""
     wanted = max(1, math.ceil(2 * processors / programs))
     return max(1, min(wanted, math.ceil(width / MIN_PIECE)))
 
@@ -121,10 +123,10 @@ def _operator(query, key, value, mask, lengths, scale, pieces):
         query, key, value, mask, lengths if tree else lse, out, lse,
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2), mask.stride(0), mask.stride(2),
-        out.stride(0), out.stride(1), out.stride(3), lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1), out.stride(2), out.stride(3), lse.stride(0), lse.stride(1), lse.stride(2),
         rows, folded, width, piece, scale,
         GROUP=group, KEY_HEADS=key_heads, HEAD_DIM=dim, BLOCK_D=max(16, 1 << (dim - 1).bit_length()),
-        BM=BLOCK_M, BN=BLOCK_N, TREE=tree)
+        BM=BLOCK_M, BN=BLOCK_N, TREE=tree, PRECISION="ieee" if query.dtype == torch.float32 else "tf32")
     if pieces == 1:
         merged = out[0]
     else:

@@ -6,17 +6,19 @@ import triton.language as tl
 
 
 def pieces(q, k, v, mask, lengths, out, lse,
-           q_b, q_h, q_t, k_b, k_h, k_w, v_b, v_h, v_w, m_b, m_t, o_p, o_b, o_r, l_p, l_b,
+           q_b, q_h, q_t, k_b, k_h, k_w, v_b, v_h, v_w, m_b, m_t, o_p, o_b, o_h, o_r, l_p, l_b, l_h,
            rows, folded, width, piece, scale,
            GROUP: tl.constexpr, KEY_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-           BLOCK_D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, TREE: tl.constexpr):
+           BLOCK_D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, TREE: tl.constexpr,
+           PRECISION: tl.constexpr):
     """One piece of the cache for one batch row, key head and tile of folded rows: writes that piece's softmax-
     weighted values (normalised within the piece) and its log-sum-exp. ``mask`` is added to the scores: the whole
     width's ``[B, 1, T, W]``, or with ``TREE`` the tree's own ``[B, 1, T, T]``, slot ``L_b + j`` its column ``j``,
     every slot below the row's length ``L_b`` seen and nothing past ``L_b + T`` read (an empty piece writes a
-    log-sum-exp of minus infinity)."""
-    part = tl.program_id(0)
-    batch_head = tl.program_id(1)
+    log-sum-exp of minus infinity). ``PRECISION``: the products' input precision (``ieee`` for float32 inputs,
+    which would otherwise be multiplied in TF32)."""
+    part = tl.program_id(0).to(tl.int64)  # offsets in 64 bits: a cache layer may hold 2^31 values or more
+    batch_head = tl.program_id(1).to(tl.int64)
     tile = tl.program_id(2)
     b = batch_head // KEY_HEADS
     h = batch_head % KEY_HEADS
@@ -41,7 +43,7 @@ def pieces(q, k, v, mask, lengths, out, lse,
         n_ok = n < stop
         keys = tl.load(k + b * k_b + h * k_h + n[None, :] * k_w + d[:, None],
                        mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [D, BN]
-        scores = tl.dot(query, keys) * scale
+        scores = tl.dot(query, keys, input_precision=PRECISION) * scale
         if TREE:  # the prefix (a negative column) is seen: no read
             column = n - length
             added = tl.load(mask + b * m_b + t[:, None] * m_t + column[None, :],
@@ -51,18 +53,19 @@ def pieces(q, k, v, mask, lengths, out, lse,
                             other=0.0)
         scores = tl.where(n_ok[None, :], scores + added.to(tl.float32), float("-inf"))
         new_best = tl.maximum(best, tl.max(scores, 1))
-        weights = tl.exp(scores - new_best[:, None])
-        kept = tl.exp(best - new_best)
+        shift = tl.where(new_best == float("-inf"), 0.0, new_best)  # a row that has seen only -inf so far
+        weights = tl.exp(scores - shift[:, None])
+        kept = tl.exp(best - shift)
         total = total * kept + tl.sum(weights, 1)
         values = tl.load(v + b * v_b + h * v_h + n[:, None] * v_w + d[None, :],
                          mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BN, D]
-        acc = acc * kept[:, None] + tl.dot(weights.to(values.dtype), values)
+        acc = acc * kept[:, None] + tl.dot(weights.to(values.dtype), values, input_precision=PRECISION)
         best = new_best
     total = tl.maximum(total, 1e-30)  # at least 1 wherever a slot was read; an empty piece keeps 0 / 1e-30
     acc = acc / total[:, None]
-    tl.store(out + part * o_p + b * o_b + h * o_r * folded + r[:, None] * o_r + d[None, :], acc,
+    tl.store(out + part * o_p + b * o_b + h * o_h + r[:, None] * o_r + d[None, :], acc,
              mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(lse + part * l_p + b * l_b + h * folded + r, best + tl.log(total), mask=row_ok)
+    tl.store(lse + part * l_p + b * l_b + h * l_h + r, best + tl.log(total), mask=row_ok)
 
 
 # Compiled for a GPU; with TRITON_INTERPRET=1 set before Triton is first imported, run by Triton's interpreter on
