@@ -14,12 +14,12 @@ took 5.5 ms at 8K against 2.4 ms at 1K). This kernel gives the work the cache's 
 * the pieces are merged by their log-sum-exp, which gives the softmax over the whole width.
 
 Scores, the softmax and the merge run in float32 (the weights are rounded to the values' dtype before their product
-with the values, as flash attention does; float32 inputs are multiplied in full precision, not TF32) and the mask
-is added to each score as the model's own SDPA adds it, so the result is SDPA's up to rounding. A tree step of a model without sliding windows hands the
-kernel its rows' cache lengths and the tree's own mask ``[B, 1, T, T]`` instead of the ``[B, 1, T, W]`` one
-(``LanguageModel.compact_mask``): every slot below a row's length is seen, the tree's slots as its mask says, and
-the pieces stop reading at the tree's last slot, so the step's mask takes O(T^2 B) memory, not O(T W B), and the
-cache's unused tail is never read. Written in Triton; on a CPU the same kernel runs through
+with the values, as flash attention does; float32 inputs are multiplied in full precision, not TF32) and the mask is
+added to each score as the model's own SDPA adds it, so the result is SDPA's up to rounding. A tree step of a model
+without sliding windows hands the kernel its rows' cache lengths and the tree's own mask ``[B, 1, T, T]`` instead of
+the ``[B, 1, T, W]`` one (``LanguageModel.compact_mask``): every slot below a row's length is seen, the tree's slots
+as its mask says, and the pieces stop reading at the tree's last slot, so the step's mask takes O(T^2 B) memory, not
+O(T W B), and the cache's unused tail is never read. Written in Triton; on a CPU the same kernel runs through
 Triton's interpreter (for the tests only: it is slow). ``PPD_GROUPED_SDPA=split`` selects it for dense tree steps
 (:mod:`ppd.decoding.grouped_attention`).
 """
@@ -35,7 +35,7 @@ import torch
 
 BLOCK_M = 64  # folded query rows a program holds
 BLOCK_N = 64  # cache slots a program reads at a time
-MIN_PIECE = 256  # the fewest slots a piece of the cache gets (a multiple of BLOCK_N)
+MIN_PIECE = 256  # slots per piece the piece count aims at, at least (see piece_count)
 HAS_TRITON = importlib.util.find_spec("triton") is not None  # it comes with PyTorch's CUDA builds
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter, on CPU tensors (the tests)
 
