@@ -17,8 +17,8 @@ def pieces(q, k, v, mask, lengths, out, lse,
     every slot below the row's length ``L_b`` seen and nothing past ``L_b + T`` read (an empty piece writes a
     log-sum-exp of minus infinity). ``PRECISION``: the products' input precision (``ieee`` for float32 inputs,
     which would otherwise be multiplied in TF32)."""
-    part = tl.program_id(0).to(tl.int64)  # offsets in 64 bits: a cache layer may hold 2^31 values or more
-    batch_head = tl.program_id(1).to(tl.int64)
+    part = tl.program_id(0)
+    batch_head = tl.program_id(1).to(tl.int64)  # offsets in 64 bits: a cache layer may hold 2^31 values or more
     tile = tl.program_id(2)
     b = batch_head // KEY_HEADS
     h = batch_head % KEY_HEADS
@@ -33,7 +33,7 @@ def pieces(q, k, v, mask, lengths, out, lse,
     start = part * piece
     stop = tl.minimum(start + piece, width)
     if TREE:
-        length = tl.load(lengths + b)
+        length = tl.load(lengths + b).to(tl.int32)  # loop bounds in 32 bits, as the start
         stop = tl.minimum(stop, length + rows)
     best = tl.full([BM], float("-inf"), tl.float32)
     total = tl.zeros([BM], tl.float32)
@@ -63,9 +63,9 @@ def pieces(q, k, v, mask, lengths, out, lse,
         best = new_best
     total = tl.maximum(total, 1e-30)  # at least 1 wherever a slot was read; an empty piece keeps 0 / 1e-30
     acc = acc / total[:, None]
-    tl.store(out + part * o_p + b * o_b + h * o_h + r[:, None] * o_r + d[None, :], acc,
+    tl.store(out + part.to(tl.int64) * o_p + b * o_b + h * o_h + r[:, None] * o_r + d[None, :], acc,
              mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(lse + part * l_p + b * l_b + h * l_h + r, best + tl.log(total), mask=row_ok)
+    tl.store(lse + part.to(tl.int64) * l_p + b * l_b + h * l_h + r, best + tl.log(total), mask=row_ok)
 
 
 # Compiled for a GPU; with TRITON_INTERPRET=1 set before Triton is first imported, run by Triton's interpreter on
