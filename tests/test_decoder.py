@@ -10,9 +10,20 @@ from tests.conftest import random_prompt_tokens, random_tree_set, tiny_model
 
 
 def hf_greedy(model, prompt, max_new_tokens, eos=None):
-    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    ids = torch.tensor([prompt], device=model.device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=eos, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def assert_captured_equals_eager_and_generate(decoder, model, prompts, capture: str, max_new_tokens: int = 24):
+    """The decoder's ``capture`` step gives its eager step's greedy tokens, and those are transformers'."""
+    settings = dict(max_new_tokens=max_new_tokens, stop_on_eos=False)
+    eager = decoder.generate(prompts, DecodeConfig(capture="eager", **settings))
+    captured = decoder.generate(prompts, DecodeConfig(capture=capture, **settings))
+    assert [o.token_ids for o in captured] == [o.token_ids for o in eager]
+    for prompt, out in zip(prompts, eager):
+        assert out.token_ids == hf_greedy(model, prompt, max_new_tokens)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])

@@ -224,9 +224,10 @@ def test_on_a_gpu_it_equals_sdpa_and_the_captured_step_equals_the_eager_one(capt
     transformers' greedy ones, 2,000-token prompts among them."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ppd import DecodeConfig, Decoder
+    from ppd import Decoder
     from ppd.decoding.split_attention import split_attention
     from tests.conftest import random_prompt_tokens, random_tree_set
+    from tests.test_decoder import assert_captured_equals_eager_and_generate
 
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(2, 9, 130, 64, device="cuda", generator=g, dtype=torch.bfloat16)
@@ -245,12 +246,4 @@ def test_on_a_gpu_it_equals_sdpa_and_the_captured_step_equals_the_eager_one(capt
                       max_seq_len=2100)
     rng = random.Random(13)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in (2000, 300, 7)]
-    settings = dict(max_new_tokens=24, stop_on_eos=False)
-    eager = decoder.generate(prompts, DecodeConfig(capture="eager", **settings))
-    got = decoder.generate(prompts, DecodeConfig(capture=capture, **settings))
-    assert [o.token_ids for o in got] == [o.token_ids for o in eager]
-    for prompt, out in zip(prompts, eager):
-        ids = torch.tensor([prompt], device="cuda")
-        hf = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
-                            eos_token_id=None, pad_token_id=0)
-        assert out.token_ids == hf[0, len(prompt):].tolist()
+    assert_captured_equals_eager_and_generate(decoder, model, prompts, capture)

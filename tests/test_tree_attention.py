@@ -14,7 +14,7 @@ from ppd.attention import step_mask
 from ppd.decoding.support import UnsupportedModelError
 from ppd.decoding.tree_attention import BLOCK, NAME, active, tree_block_mask, visible
 from tests.conftest import random_prompt_tokens, random_tree_set, tiny_model
-from tests.test_decoder import hf_greedy
+from tests.test_decoder import assert_captured_equals_eager_and_generate, hf_greedy
 from tests.test_sliding_window import assert_tree_rows_equal_own_forward
 
 ARCHS = [("llama", None), ("qwen2", 40), ("mistral", 40), ("gemma2", 40)]  # gemma2: soft-capped scores
@@ -179,15 +179,7 @@ def test_a_captured_flex_step_equals_the_eager_one(capture, split, monkeypatch):
                       attention="flex")
     rng = random.Random(13)  # a vocabulary and prompts where greedy ties, which kernels break apart, are unlikely
     prompts = [[rng.randrange(256) for _ in range(n)] for n in (300, 90, 7, 2)]
-    config = dict(max_new_tokens=24, stop_on_eos=False)
-    eager = decoder.generate(prompts, DecodeConfig(capture="eager", **config))
-    captured = decoder.generate(prompts, DecodeConfig(capture=capture, **config))
-    assert [o.token_ids for o in captured] == [o.token_ids for o in eager]
-    for prompt, out in zip(prompts, eager):
-        ids = torch.tensor([prompt], device="cuda")
-        hf = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
-                            eos_token_id=None, pad_token_id=0)
-        assert out.token_ids == hf[0, len(prompt):].tolist()
+    assert_captured_equals_eager_and_generate(decoder, model, prompts, capture)
 
 
 def test_flex_on_a_cpu_runs_eagerly_only():
