@@ -38,6 +38,7 @@ import os
 
 import torch
 
+from ..attention import to_additive
 from . import attention_switch, split_attention
 
 NAME = "ppd_grouped_sdpa"  # the attention implementations this module registers with transformers
@@ -98,8 +99,7 @@ def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
     if splits:
         mask = attention_mask
         if mask.dtype == torch.bool:
-            mask = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill(
-                ~mask, torch.finfo(query.dtype).min)
+            mask = to_additive(mask, query.dtype)
         out = split_attention.split_attention(query, key, value, mask, dim ** -0.5 if scaling is None else scaling,
                                               lengths=lengths)
         return out.transpose(1, 2).contiguous(), None
@@ -137,8 +137,7 @@ def _matmul_attention(folded: torch.Tensor, key: torch.Tensor, value: torch.Tens
         scores = torch.bmm(queries.float(), keys.float())
     scores = scores.view(batch, key_heads, group, rows, width) * scale
     if mask.dtype == torch.bool:
-        mask = torch.zeros(mask.shape, dtype=scores.dtype, device=mask.device).masked_fill(
-            ~mask, torch.finfo(scores.dtype).min)
+        mask = to_additive(mask, scores.dtype)
     mask = mask[:, :, None] if mask.shape[1] == 1 else mask.view(batch, key_heads, group, rows, width)
     weights = torch.softmax(scores + mask.to(scores.dtype), dim=-1).to(value.dtype)
     out = torch.bmm(weights.view(batch * key_heads, folded_rows, width), value.reshape(batch * key_heads, width, -1))
@@ -177,11 +176,11 @@ def active(model_config):
     return attention_switch.switched(model_config, NAME, grouped_sdpa)
 
 
-def compact_tree_mask(model_config, query_group: int, windows, device: torch.device) -> bool:
-    """Whether a dense tree step hands the split kernel its tree's own mask and its rows' lengths
-    (:data:`LENGTHS_KEYWORD`) instead of a mask over the cache's whole width: ``PPD_GROUPED_SDPA=split``, where
-    the function applies, no layer has a sliding window, and the kernel runs on ``device``."""
-    return (mode() == "split" and applies(model_config, query_group) and all(w is None for w in windows)
+def compact_tree_mask(windows, device: torch.device) -> bool:
+    """Whether a dense tree step of a model this module :func:`applies` to hands the split kernel its tree's own
+    mask and its rows' lengths (:data:`LENGTHS_KEYWORD`) instead of a mask over the cache's whole width:
+    ``PPD_GROUPED_SDPA=split``, no layer has a sliding window, and the kernel runs on ``device``."""
+    return (mode() == "split" and all(w is None for w in windows)
             and split_attention.runs_on_device(torch.device(device)))
 
 

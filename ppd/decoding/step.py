@@ -95,8 +95,8 @@ class LanguageModel:
         if self.flex:
             return tree_attention.active(self.body.config)
         if grouped_attention.applies(self.body.config, self.query_group):
-            self.compact_mask = grouped_attention.compact_tree_mask(
-                self.body.config, self.query_group, self.layers.kinds.values(), self.embed.weight.device)
+            self.compact_mask = grouped_attention.compact_tree_mask(self.layers.kinds.values(),
+                                                                    self.embed.weight.device)
             return grouped_attention.active(self.body.config)
         return contextlib.nullcontext()
 
