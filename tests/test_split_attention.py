@@ -27,7 +27,7 @@ def _reference(q, k, v, mask, scale):
 
 
 def _case_kernel():
-    from ppd.decoding.split_attention import split_attention
+    from ppd.decoding.split_attention import SplitTuning, split_attention
 
     g = torch.Generator().manual_seed(0)
     shapes = [  # batch, query heads, key heads, rows, width, head size, pieces (0: by threads)
@@ -46,11 +46,13 @@ def _case_kernel():
             allowed[:, :, 1:, 0] = True
             mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(dtype).min).to(dtype)
             scale = dim ** -0.5
-            got = split_attention(q, k, v, mask, scale, pieces)
-            assert got.shape == q.shape and got.dtype == dtype
             want = _reference(q, k, v, mask, scale)
             tolerance = 1e-5 if dtype == torch.float32 else 2e-3
-            torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance)
+            for tuning in (None, SplitTuning(block_n=32, min_piece=64), SplitTuning(block_n=128, warps=8, stages=3)):
+                got = split_attention(q, k, v, mask, scale, pieces, tuning=tuning)
+                # laid out as [B, T, Hq, D], the layout the output projection reads
+                assert got.shape == q.shape and got.dtype == dtype and got.transpose(1, 2).is_contiguous()
+                torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance)
     # a mask of -inf (not the dtype's most negative value) over a whole block of slots for some rows
     q, k, v = (torch.randn(1, 4, 6, 16, generator=g), torch.randn(1, 2, 200, 16, generator=g),
                torch.randn(1, 2, 200, 16, generator=g))
@@ -64,6 +66,17 @@ def _case_kernel():
         assert "float mask [B, 1, T, W]" in str(error)
     else:
         raise AssertionError("a bool mask was taken")
+
+
+def test_tuning_is_parsed_from_its_text_and_bad_fields_are_named():
+    from ppd.decoding.split_attention import SplitTuning
+
+    tuning = SplitTuning.parse("per_processor=4, block_n=32")
+    assert tuning == SplitTuning(per_processor=4, block_n=32) and SplitTuning.parse(tuning.text()) == tuning
+    assert SplitTuning.parse("") == SplitTuning()
+    for bad in ("blocks=3", "block_n=0", "warps=two", "stages"):
+        with pytest.raises(ValueError, match="PPD_SPLIT_TUNING"):
+            SplitTuning.parse(bad)
 
 
 def _case_kernel_tree_mask():
@@ -122,7 +135,7 @@ def _several_pieces():
     thread count: up to 4 pieces of at least 128 slots."""
     from ppd.decoding import split_attention
 
-    split_attention.piece_count = lambda programs, width, processors: max(1, min(4, width // 128))
+    split_attention.piece_count = lambda programs, width, processors, tuning: max(1, min(4, width // 128))
 
 
 def _case_dense_step():

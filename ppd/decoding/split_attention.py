@@ -26,6 +26,7 @@ Triton's interpreter (for the tests only: it is slow). ``PPD_GROUPED_SDPA=split`
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import math
@@ -34,10 +35,43 @@ import os
 import torch
 
 BLOCK_M = 64  # folded query rows a program holds
-BLOCK_N = 64  # cache slots a program reads at a time
-MIN_PIECE = 256  # slots per piece the piece count aims at, at least (see piece_count)
+MERGE_ELEMENTS = 8192  # values a merging program holds: its pieces x rows x head size
 HAS_TRITON = importlib.util.find_spec("triton") is not None  # it comes with PyTorch's CUDA builds
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter, on CPU tensors (the tests)
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitTuning:
+    """How the kernel cuts and walks the cache. ``per_processor``: programs per GPU processor the piece count aims
+    at; ``min_piece``: slots a piece holds at least (before the pieces are evened out); ``block_n``: slots a
+    program reads at a time; ``warps`` and ``stages``: Triton's launch options for the pieces' kernel.
+    ``PPD_SPLIT_TUNING`` overrides fields by name, e.g. ``per_processor=4,block_n=32``."""
+
+    per_processor: int = 2
+    min_piece: int = 256
+    block_n: int = 64
+    warps: int = 4
+    stages: int = 2
+
+    @classmethod
+    def parse(cls, text: str) -> "SplitTuning":
+        """Fields from ``name=value`` pairs separated by commas; an unknown name or a value below 1 raises."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        values = {}
+        for pair in filter(None, (part.strip() for part in text.split(","))):
+            name, _, value = pair.partition("=")
+            if name not in fields or not value.strip().isdigit() or int(value) < 1:
+                raise ValueError(f"PPD_SPLIT_TUNING: {pair!r} is not one of {sorted(fields)} set to a positive "
+                                 f"integer")
+            values[name] = int(value)
+        return cls(**values)
+
+    def text(self) -> str:
+        """The ``PPD_SPLIT_TUNING`` string that gives this tuning."""
+        return ",".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+
+
+TUNING = SplitTuning.parse(os.environ.get("PPD_SPLIT_TUNING", ""))  # read once: a compiled step's constants
 
 
 def runs_on(tensor: torch.Tensor) -> bool:
@@ -51,13 +85,21 @@ def runs_on_device(device: torch.device) -> bool:
     return HAS_TRITON and (device.type == "cuda" or INTERPRETED)
 
 
-def _kernel(device: torch.device):
+def _kernels(device: torch.device):
     from . import split_kernel
 
     if device.type != "cuda" and type(split_kernel.kernel).__name__ != "InterpretedFunction":
         raise RuntimeError("split attention runs on a CUDA GPU (or, for tests, on a CPU under Triton's interpreter: "
                            "TRITON_INTERPRET=1 set before Triton is imported)")
-    return split_kernel.kernel
+    return split_kernel
+
+
+def _kernel(device: torch.device):
+    return _kernels(device).kernel
+
+
+def _merge_kernel(device: torch.device):
+    return _kernels(device).merge_kernel
 
 
 @functools.lru_cache(maxsize=None)
@@ -69,23 +111,25 @@ def _round_up(n: int, unit: int) -> int:
     return -(-n // unit) * unit
 
 
-def piece_count(programs: int, width: int, processors: int) -> int:
+def piece_count(programs: int, width: int, processors: int, tuning: SplitTuning = SplitTuning()) -> int:
     """Pieces to cut ``width`` slots into so that ``programs`` tiles (batch rows x key heads x row tiles) become
-    about two programs per processor, no more pieces than ``width / MIN_PIECE`` rounded up (the pieces are then
-    evened out, so one may hold fewer than :data:`MIN_PIECE` slots)."""
-    wanted = max(1, math.ceil(2 * processors / programs))
-    return max(1, min(wanted, math.ceil(width / MIN_PIECE)))
+    about ``tuning.per_processor`` programs per processor, no more pieces than ``width / tuning.min_piece``
+    rounded up (the pieces are then evened out, so one may hold fewer slots)."""
+    wanted = max(1, math.ceil(tuning.per_processor * processors / programs))
+    return max(1, min(wanted, math.ceil(width / tuning.min_piece)))
 
 
 def split_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                    scale: float, pieces: int = 0, lengths: torch.Tensor | None = None) -> torch.Tensor:
+                    scale: float, pieces: int = 0, lengths: torch.Tensor | None = None,
+                    tuning: SplitTuning | None = None) -> torch.Tensor:
     """Attention of ``query`` [B, Hq, T, D] over ``key`` and ``value`` [B, Hkv, W, D] (Hkv dividing Hq) with the
     additive float ``mask`` [B, 1, T, W]; returns [B, Hq, T, D] in the query's dtype. With ``lengths`` [B] the mask
     is the tree's own [B, 1, T, T] instead: row b's slots below ``lengths[b]`` are seen by every row, slot
     ``lengths[b] + j`` as the mask's column ``j`` says, and slots past the tree are never read (the step's
     memory for its mask is then O(T^2 B), not O(T W B)). ``pieces``: how many pieces to cut the width into (0: by
-    the GPU's processor count, or a CPU's threads). One operator (``torch.ops.ppd.split_attention``) to
-    torch.compile and CUDA graphs."""
+    the GPU's processor count, or a CPU's threads, and ``tuning``, :data:`TUNING` where not given). The result's
+    memory is laid out as [B, T, Hq, D] (the layout attention hands the output projection). One operator
+    (``torch.ops.ppd.split_attention``) to torch.compile and CUDA graphs."""
     batch, heads, rows, dim = query.shape
     key_heads, width = key.shape[1], key.shape[2]
     columns = rows if lengths is not None else width
@@ -99,13 +143,22 @@ def split_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     for name, tensor in (("query", query), ("key", key), ("value", value), ("mask", mask)):
         if tensor.stride(-1) != 1:
             raise ValueError(f"split attention needs the {name}'s last dimension contiguous")
-    return torch.ops.ppd.split_attention(query, key, value, mask, lengths, float(scale), pieces)
+    tuning = TUNING if tuning is None else tuning
+    return torch.ops.ppd.split_attention(query, key, value, mask, lengths, float(scale), pieces, tuning.per_processor,
+                                         tuning.min_piece, tuning.block_n, tuning.warps, tuning.stages)
+
+
+def _result(query: torch.Tensor) -> torch.Tensor:
+    """An empty [B, Hq, T, D] laid out as [B, T, Hq, D], in the query's dtype."""
+    batch, heads, rows, dim = query.shape
+    return torch.empty(batch, rows, heads, dim, device=query.device, dtype=query.dtype).transpose(1, 2)
 
 
 @torch.library.custom_op("ppd::split_attention", mutates_args=(),
                          schema="(Tensor query, Tensor key, Tensor value, Tensor mask, Tensor? lengths, float scale, "
-                                "int pieces) -> Tensor")
-def _operator(query, key, value, mask, lengths, scale, pieces):
+                                "int pieces, int per_processor, int min_piece, int block_n, int warps, int stages) "
+                                "-> Tensor")
+def _operator(query, key, value, mask, lengths, scale, pieces, per_processor, min_piece, block_n, warps, stages):
     batch, heads, rows, dim = query.shape
     key_heads, width = key.shape[1], key.shape[2]
     group = heads // key_heads
@@ -113,32 +166,40 @@ def _operator(query, key, value, mask, lengths, scale, pieces):
     tiles = -(-folded // BLOCK_M)
     if pieces <= 0:
         processors = _processors(query.device.index or 0) if query.is_cuda else torch.get_num_threads()
-        pieces = piece_count(batch * key_heads * tiles, width, processors)
-    piece = _round_up(-(-width // pieces), BLOCK_N)  # slots per piece
+        pieces = piece_count(batch * key_heads * tiles, width, processors,
+                             SplitTuning(per_processor, min_piece, block_n, warps, stages))
+    piece = _round_up(-(-width // pieces), block_n)  # slots per piece
     pieces = -(-width // piece)
+    whole = pieces == 1  # the one piece writes the result itself
     out = torch.empty(pieces, batch, key_heads, folded, dim, device=query.device, dtype=torch.float32)
     lse = torch.empty(pieces, batch, key_heads, folded, device=query.device, dtype=torch.float32)
+    result = _result(query)
     tree = lengths is not None
+    block_d = max(16, 1 << (dim - 1).bit_length())
     _kernel(query.device)[(pieces, batch * key_heads, tiles)](
-        query, key, value, mask, lengths if tree else lse, out, lse,
+        query, key, value, mask, lengths if tree else lse, out, lse, result,
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2), mask.stride(0), mask.stride(2),
         out.stride(0), out.stride(1), out.stride(2), out.stride(3), lse.stride(0), lse.stride(1), lse.stride(2),
+        result.stride(0), result.stride(1), result.stride(2),
         rows, folded, width, piece, scale,
-        GROUP=group, KEY_HEADS=key_heads, HEAD_DIM=dim, BLOCK_D=max(16, 1 << (dim - 1).bit_length()),
-        BM=BLOCK_M, BN=BLOCK_N, TREE=tree, PRECISION="ieee" if query.dtype == torch.float32 else "tf32")
-    if pieces == 1:
-        merged = out[0]
-    else:
-        weights = torch.softmax(lse, dim=0)  # each piece's share of the whole softmax's sum (an empty piece: 0)
-        merged = (out * weights[..., None]).sum(0)
-    return merged.view(batch, key_heads, group, rows, dim).reshape(batch, heads, rows, dim).to(query.dtype)
+        GROUP=group, KEY_HEADS=key_heads, HEAD_DIM=dim, BLOCK_D=block_d, BM=BLOCK_M, BN=block_n, TREE=tree,
+        WHOLE=whole, PRECISION="ieee" if query.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
+    if not whole:
+        spread = max(2, 1 << (pieces - 1).bit_length())  # the pieces, rounded up to a power of two
+        merged_rows = max(1, min(64, 1 << (MERGE_ELEMENTS // (spread * block_d)).bit_length() - 1))
+        _merge_kernel(query.device)[(batch * key_heads, -(-folded // merged_rows))](
+            out, lse, result, out.stride(0), out.stride(1), out.stride(2), out.stride(3),
+            lse.stride(0), lse.stride(1), lse.stride(2), result.stride(0), result.stride(1), result.stride(2),
+            rows, folded, pieces, GROUP=group, KEY_HEADS=key_heads, HEAD_DIM=dim, BLOCK_D=block_d, BP=spread,
+            BR=merged_rows)
+    return result
 
 
 @_operator.register_fake
-def _(query, key, value, mask, lengths, scale, pieces):
-    return torch.empty_like(query, memory_format=torch.contiguous_format)
+def _(query, key, value, mask, lengths, scale, pieces, per_processor, min_piece, block_n, warps, stages):
+    return _result(query)
 
 
-__all__ = ["BLOCK_M", "BLOCK_N", "HAS_TRITON", "INTERPRETED", "MIN_PIECE", "piece_count", "runs_on", "runs_on_device",
-           "split_attention"]
+__all__ = ["BLOCK_M", "HAS_TRITON", "INTERPRETED", "MERGE_ELEMENTS", "SplitTuning", "TUNING", "piece_count", "runs_on",
+           "runs_on_device", "split_attention"]

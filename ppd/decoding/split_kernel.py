@@ -5,18 +5,19 @@ import triton
 import triton.language as tl
 
 
-def pieces(q, k, v, mask, lengths, out, lse,
-           q_b, q_h, q_t, k_b, k_h, k_w, v_b, v_h, v_w, m_b, m_t, o_p, o_b, o_h, o_r, l_p, l_b, l_h,
+def pieces(q, k, v, mask, lengths, out, lse, result,
+           q_b, q_h, q_t, k_b, k_h, k_w, v_b, v_h, v_w, m_b, m_t, o_p, o_b, o_h, o_r, l_p, l_b, l_h, r_b, r_h, r_t,
            rows, folded, width, piece, scale,
            GROUP: tl.constexpr, KEY_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-           BLOCK_D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, TREE: tl.constexpr,
+           BLOCK_D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, TREE: tl.constexpr, WHOLE: tl.constexpr,
            PRECISION: tl.constexpr):
     """One piece of the cache for one batch row, key head and tile of folded rows: writes that piece's softmax-
-    weighted values (normalised within the piece) and its log-sum-exp. ``mask`` is added to the scores: the whole
-    width's ``[B, 1, T, W]``, or with ``TREE`` the tree's own ``[B, 1, T, T]``, slot ``L_b + j`` its column ``j``,
-    every slot below the row's length ``L_b`` seen and nothing past ``L_b + T`` read (an empty piece writes a
-    log-sum-exp of minus infinity). ``PRECISION``: the products' input precision (``ieee`` for float32 inputs,
-    which would otherwise be multiplied in TF32)."""
+    weighted values (normalised within the piece) and its log-sum-exp, or with ``WHOLE`` (one piece spans the
+    width) the attention's result itself into ``result`` (query heads' layout, the query's dtype). ``mask`` is
+    added to the scores: the whole width's ``[B, 1, T, W]``, or with ``TREE`` the tree's own ``[B, 1, T, T]``, slot
+    ``L_b + j`` its column ``j``, every slot below the row's length ``L_b`` seen and nothing past ``L_b + T`` read
+    (an empty piece writes a log-sum-exp of minus infinity). ``PRECISION``: the products' input precision
+    (``ieee`` for float32 inputs, which would otherwise be multiplied in TF32)."""
     part = tl.program_id(0)
     batch_head = tl.program_id(1).to(tl.int64)  # offsets in 64 bits: a cache layer may hold 2^31 values or more
     tile = tl.program_id(2)
@@ -63,11 +64,48 @@ def pieces(q, k, v, mask, lengths, out, lse,
         best = new_best
     total = tl.maximum(total, 1e-30)  # at least 1 wherever a slot was read; an empty piece keeps 0 / 1e-30
     acc = acc / total[:, None]
-    tl.store(out + part.to(tl.int64) * o_p + b * o_b + h * o_h + r[:, None] * o_r + d[None, :], acc,
-             mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(lse + part.to(tl.int64) * l_p + b * l_b + h * l_h + r, best + tl.log(total), mask=row_ok)
+    if WHOLE:
+        tl.store(result + b * r_b + (h * GROUP + g)[:, None] * r_h + t[:, None] * r_t + d[None, :],
+                 acc.to(result.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        tl.store(out + part.to(tl.int64) * o_p + b * o_b + h * o_h + r[:, None] * o_r + d[None, :], acc,
+                 mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(lse + part.to(tl.int64) * l_p + b * l_b + h * l_h + r, best + tl.log(total), mask=row_ok)
+
+
+def merge(out, lse, result, o_p, o_b, o_h, o_r, l_p, l_b, l_h, r_b, r_h, r_t, rows, folded, count,
+          GROUP: tl.constexpr, KEY_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+          BP: tl.constexpr, BR: tl.constexpr):
+    """The pieces of ``BR`` folded rows of one batch row and key head merged by their log-sum-exp: every piece of
+    every row read at once (a block ``[BP, BR, D]``, ``BP`` the piece count rounded up to a power of two), each
+    weighted by its share of the whole softmax's sum, summed and written into ``result`` (query heads' layout, the
+    query's dtype). A piece that read no slot has a log-sum-exp of minus infinity and weighs nothing."""
+    batch_head = tl.program_id(0).to(tl.int64)
+    b = batch_head // KEY_HEADS
+    h = batch_head % KEY_HEADS
+    r = tl.program_id(1) * BR + tl.arange(0, BR)
+    row_ok = r < folded
+    p = tl.arange(0, BP)
+    p_ok = p < count
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    sums = tl.load(lse + p[:, None].to(tl.int64) * l_p + b * l_b + h * l_h + r[None, :],
+                   mask=p_ok[:, None] & row_ok[None, :], other=float("-inf"))  # [BP, BR]
+    best = tl.max(sums, 0)
+    shift = tl.where(best == float("-inf"), 0.0, best)
+    shares = tl.exp(sums - shift[None, :])
+    shares = shares / tl.maximum(tl.sum(shares, 0), 1e-30)[None, :]
+    parts = tl.load(out + p[:, None, None].to(tl.int64) * o_p + b * o_b + h * o_h + r[None, :, None] * o_r
+                    + d[None, None, :], mask=p_ok[:, None, None] & row_ok[None, :, None] & d_ok[None, None, :],
+                    other=0.0)  # [BP, BR, D]
+    merged = tl.sum(parts * shares[:, :, None], 0)
+    t = r % rows
+    g = r // rows
+    tl.store(result + b * r_b + (h * GROUP + g)[:, None] * r_h + t[:, None] * r_t + d[None, :],
+             merged.to(result.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 # Compiled for a GPU; with TRITON_INTERPRET=1 set before Triton is first imported, run by Triton's interpreter on
 # CPU tensors instead (the tests do this in a process of their own).
 kernel = triton.jit(pieces)
+merge_kernel = triton.jit(merge)
