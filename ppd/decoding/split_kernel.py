@@ -5,6 +5,31 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def _block(query, keys, values, mask, first, stop, column0, t, row_ok, d, d_ok, k_w, v_w, m_t, scale, best, total, acc,
+           BN: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+    """The online softmax carried over the slots ``[first, min(first + BN, stop))``: their scores against the
+    tile's ``query`` rows, plus, where ``MASKED``, the mask's columns ``slot - column0`` of rows ``t``."""
+    n = first + tl.arange(0, BN)
+    n_ok = n < stop
+    block_keys = tl.load(keys + n[None, :] * k_w + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [D, BN]
+    scores = tl.dot(query, block_keys, input_precision=PRECISION) * scale
+    if MASKED:
+        added = tl.load(mask + t[:, None] * m_t + (n - column0)[None, :], mask=row_ok[:, None] & n_ok[None, :],
+                        other=0.0)
+        scores += added.to(tl.float32)
+    scores = tl.where(n_ok[None, :], scores, float("-inf"))
+    new_best = tl.maximum(best, tl.max(scores, 1))
+    shift = tl.where(new_best == float("-inf"), 0.0, new_best)  # a row that has seen only -inf so far
+    weights = tl.exp(scores - shift[:, None])
+    kept = tl.exp(best - shift)
+    total = total * kept + tl.sum(weights, 1)
+    block_values = tl.load(values + n[:, None] * v_w + d[None, :], mask=n_ok[:, None] & d_ok[None, :],
+                           other=0.0)  # [BN, D]
+    acc = acc * kept[:, None] + tl.dot(weights.to(block_values.dtype), block_values, input_precision=PRECISION)
+    return new_best, total, acc
+
+
 def pieces(q, k, v, mask, lengths, out, lse, result,
            q_b, q_h, q_t, k_b, k_h, k_w, v_b, v_h, v_w, m_b, m_t, o_p, o_b, o_h, o_r, l_p, l_b, l_h, r_b, r_h, r_t,
            rows, folded, width, piece, scale,
@@ -39,29 +64,23 @@ def pieces(q, k, v, mask, lengths, out, lse, result,
     best = tl.full([BM], float("-inf"), tl.float32)
     total = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BLOCK_D], tl.float32)
-    for first in range(start, stop, BN):
-        n = first + tl.arange(0, BN)
-        n_ok = n < stop
-        keys = tl.load(k + b * k_b + h * k_h + n[None, :] * k_w + d[:, None],
-                       mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [D, BN]
-        scores = tl.dot(query, keys, input_precision=PRECISION) * scale
-        if TREE:  # the prefix (a negative column) is seen: no read
-            column = n - length
-            added = tl.load(mask + b * m_b + t[:, None] * m_t + column[None, :],
-                            mask=row_ok[:, None] & (n_ok & (column >= 0))[None, :], other=0.0)
-        else:
-            added = tl.load(mask + b * m_b + t[:, None] * m_t + n[None, :], mask=row_ok[:, None] & n_ok[None, :],
-                            other=0.0)
-        scores = tl.where(n_ok[None, :], scores + added.to(tl.float32), float("-inf"))
-        new_best = tl.maximum(best, tl.max(scores, 1))
-        shift = tl.where(new_best == float("-inf"), 0.0, new_best)  # a row that has seen only -inf so far
-        weights = tl.exp(scores - shift[:, None])
-        kept = tl.exp(best - shift)
-        total = total * kept + tl.sum(weights, 1)
-        values = tl.load(v + b * v_b + h * v_h + n[:, None] * v_w + d[None, :],
-                         mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BN, D]
-        acc = acc * kept[:, None] + tl.dot(weights.to(values.dtype), values, input_precision=PRECISION)
-        best = new_best
+    keys = k + b * k_b + h * k_h
+    values = v + b * v_b + h * v_h
+    if TREE:
+        # The prefix, seen by every row: no mask to read or add (a loop of its own, so that its blocks carry none
+        # of the tree's masking: mixing the two in one loop made the kernel twice as slow on an H200).
+        prefix_stop = tl.minimum(stop, length)
+        for first in range(start, prefix_stop, BN):
+            best, total, acc = _block(query, keys, values, mask, first, prefix_stop, 0, t, row_ok, d, d_ok, k_w, v_w,
+                                      m_t, scale, best, total, acc, BN=BN, MASKED=False, PRECISION=PRECISION)
+        # The tree's own slots, its mask's column j at slot length + j.
+        for first in range(tl.maximum(start, length), stop, BN):
+            best, total, acc = _block(query, keys, values, mask + b * m_b, first, stop, length, t, row_ok, d, d_ok,
+                                      k_w, v_w, m_t, scale, best, total, acc, BN=BN, MASKED=True, PRECISION=PRECISION)
+    else:
+        for first in range(start, stop, BN):
+            best, total, acc = _block(query, keys, values, mask + b * m_b, first, stop, 0, t, row_ok, d, d_ok, k_w,
+                                      v_w, m_t, scale, best, total, acc, BN=BN, MASKED=True, PRECISION=PRECISION)
     total = tl.maximum(total, 1e-30)  # at least 1 wherever a slot was read; an empty piece keeps 0 / 1e-30
     acc = acc / total[:, None]
     if WHOLE:

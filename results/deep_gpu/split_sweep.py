@@ -1,13 +1,15 @@
 """The split kernel's tunings, timed: which cut of the cache and which launch options make a tree step's attention
 cheapest on this GPU.
 
-For each shape (batch, tree rows, context) and each :class:`ppd.decoding.split_attention.SplitTuning` of a grid,
-30 calls of ``torch.ops.ppd.split_attention`` (one per layer of the default model: 9 query heads over 3 key heads
-of 64, bf16), each over its own layer's cache, with the tree's own mask and the rows' lengths as a tree step hands
-them, are captured in one CUDA graph and replayed; beside them SDPA with ``enable_gqa`` for one row (the
-baseline's step) at the same context. Writes every time as JSON, prints a table of the fastest tunings, and writes
-the tuning that is fastest on average over the shapes (each shape's time against that shape's best) as the
-``PPD_SPLIT_TUNING`` text to ``--best``.
+For each shape (batch, tree rows, context), each way of masking and each
+:class:`ppd.decoding.split_attention.SplitTuning` of a grid, 30 calls of ``torch.ops.ppd.split_attention`` (one per
+layer of the default model: 9 query heads over 3 key heads of 64, bf16), each over its own layer's cache, are
+captured in one CUDA graph and replayed; beside them SDPA with ``enable_gqa`` for one row (the baseline's step) at
+the same context. The ways of masking: ``tree``, the tree's own mask ``[B, 1, T, T]`` and the rows' lengths (a
+tree step of a model without sliding windows), and ``width``, a mask over the whole width ``[B, 1, T, W]``.
+Writes every time as JSON, prints the fastest tunings, and writes the tuning that is fastest on average over the
+shapes with the tree's mask (each shape's time against that shape's best) as the ``PPD_SPLIT_TUNING`` text to
+``--best``.
 
     python results/deep_gpu/split_sweep.py --output sweep.json --best best_tuning.txt
 """
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 from ppd.decoding.split_attention import SplitTuning, split_attention
 
 LAYERS, HEADS, KEY_HEADS, DIM = 30, 9, 3, 64
+WAYS = ("tree", "width")
 SHAPES = [(1, 130, 8000), (1, 65, 8000), (1, 17, 8000), (16, 17, 8000), (1, 130, 1000)]  # batch, rows, context
 
 
@@ -59,21 +62,27 @@ def _inputs(batch: int, rows: int, context: int):
     tree = torch.ones(rows, rows, device=dev, dtype=torch.bool).tril()
     mask = torch.zeros(batch, 1, rows, rows, device=dev, dtype=dt).masked_fill(~tree, torch.finfo(dt).min)
     lengths = torch.full((batch,), context, device=dev, dtype=torch.long)
-    return q, caches, mask, lengths
+    wide = torch.full((batch, 1, rows, capacity), torch.finfo(dt).min, device=dev, dtype=dt)
+    wide[..., :context] = 0
+    wide[..., context:context + rows] = mask
+    return q, caches, mask, lengths, wide
 
 
-def time_split(inputs, tuning: SplitTuning, repeats: int) -> float:
-    q, caches, mask, lengths = inputs
+def time_split(inputs, way: str, tuning: SplitTuning, repeats: int) -> float:
+    q, caches, mask, lengths, wide = inputs
 
     def call():
         for keys, values in caches:
-            split_attention(q, keys, values, mask, DIM ** -0.5, lengths=lengths, tuning=tuning)
+            if way == "tree":
+                split_attention(q, keys, values, mask, DIM ** -0.5, lengths=lengths, tuning=tuning)
+            else:
+                split_attention(q, keys, values, wide, DIM ** -0.5, tuning=tuning)
 
     return _timed(call, repeats)
 
 
 def time_one_row(batch: int, context: int, repeats: int) -> float:
-    q, caches, _, _ = _inputs(batch, 1, context)
+    q, caches, *_ = _inputs(batch, 1, context)
 
     def call():
         for keys, values in caches:
@@ -82,24 +91,22 @@ def time_one_row(batch: int, context: int, repeats: int) -> float:
     return _timed(call, repeats)
 
 
-def check(inputs) -> float:
-    """The default tuning's largest difference from SDPA over the same slots (a sweep of a wrong kernel would be
-    worthless)."""
-    q, caches, mask, lengths = inputs
+def check(inputs) -> tuple[float, float]:
+    """The default tuning's largest differences from SDPA, with the tree's mask and with the width's (a sweep of
+    a wrong kernel would be worthless)."""
+    q, caches, mask, lengths, wide = inputs
     keys, values = caches[0]
-    context, rows = int(lengths[0]), q.shape[2]
-    full = torch.zeros(q.shape[0], 1, rows, context + rows, device=q.device, dtype=q.dtype)
-    full[..., context:] = mask[:, :, :, :]
-    want = F.scaled_dot_product_attention(q, keys[:, :, :context + rows], values[:, :, :context + rows],
-                                          attn_mask=full, enable_gqa=True)
-    got = split_attention(q, keys, values, mask, DIM ** -0.5, lengths=lengths)
-    return float((got.float() - want.float()).abs().max())
+    want = F.scaled_dot_product_attention(q, keys, values, attn_mask=wide, enable_gqa=True).float()
+    tree = split_attention(q, keys, values, mask, DIM ** -0.5, lengths=lengths)
+    width = split_attention(q, keys, values, wide, DIM ** -0.5)
+    return float((tree.float() - want).abs().max()), float((width.float() - want).abs().max())
 
 
 def grid() -> list[SplitTuning]:
-    return [SplitTuning(per_processor=p, min_piece=m, block_n=n, warps=w, stages=s)
-            for p, m, n, w, s in itertools.product((1, 2, 4, 8), (128, 256), (32, 64, 128), (4, 8), (1, 2, 3))
-            if m >= n]
+    # the seventeenth session's sweep over per_processor 1-8, min_piece 128-256, block_n 32-128, warps 4-8 and
+    # stages 1-3 found block_n 64, 4 warps and 3 stages fastest at every shape (h200/v14/split_sweep_first.json)
+    return [SplitTuning(per_processor=p, min_piece=m, block_n=64, warps=4, stages=s)
+            for p, m, s in itertools.product((2, 4, 8), (128, 256), (2, 3))]
 
 
 def main(argv=None) -> int:
@@ -109,35 +116,40 @@ def main(argv=None) -> int:
     parser.add_argument("--best", default=None, help="text file the best tuning's PPD_SPLIT_TUNING is written to")
     args = parser.parse_args(argv)
     tunings = grid()
-    times: dict[tuple, dict[str, float]] = {}
+    times: dict[tuple, dict[str, dict[str, float]]] = {}
     one_row = {}
     for batch, rows, context in SHAPES:
         one_row[(batch, context)] = time_one_row(batch, context, args.repeats)
-        row = times.setdefault((batch, rows, context), {})
         inputs = _inputs(batch, rows, context)
-        print(f"batch {batch} rows {rows} context {context}: largest difference from SDPA {check(inputs):.4f}",
-              flush=True)
-        for tuning in tunings:
-            try:
-                row[tuning.text()] = time_split(inputs, tuning, args.repeats)
-            except Exception as error:  # a launch the GPU refuses (too much shared memory): skip it, say so
-                print(f"{tuning.text()} at {batch, rows, context}: {type(error).__name__}: {str(error)[:200]}")
-        default = row.get(SplitTuning().text(), float("nan"))
-        fastest = sorted(row.items(), key=lambda item: item[1])[:3]
-        print(f"batch {batch:2d} rows {rows:3d} context {context:5d}: one row {one_row[(batch, context)]:7.1f} us, "
-              f"default {default:7.1f} us, fastest " + "; ".join(f"{t} {us:.1f}" for t, us in fastest), flush=True)
-    common = set.intersection(*(set(row) for row in times.values()))
-    score = {t: sum(row[t] / min(row.values()) for row in times.values()) / len(times) for t in common}
+        print(f"batch {batch} rows {rows} context {context}: largest difference from SDPA "
+              "(tree's mask, width's mask) %.4f, %.4f" % check(inputs), flush=True)
+        shape = times.setdefault((batch, rows, context), {})
+        for way in WAYS:
+            row = shape.setdefault(way, {})
+            for tuning in tunings:
+                try:
+                    row[tuning.text()] = time_split(inputs, way, tuning, args.repeats)
+                except Exception as error:  # a launch the GPU refuses (too much shared memory): skip it, say so
+                    print(f"{tuning.text()} {way} at {batch, rows, context}: {type(error).__name__}: {str(error)[:200]}")
+            default = row.get(SplitTuning().text(), float("nan"))
+            fastest = sorted(row.items(), key=lambda item: item[1])[:2]
+            print(f"batch {batch:2d} rows {rows:3d} context {context:5d} {way:5s} mask: one row "
+                  f"{one_row[(batch, context)]:7.1f} us, default {default:7.1f} us, fastest "
+                  + "; ".join(f"{t} {us:.1f}" for t, us in fastest), flush=True)
+    trees = [shape["tree"] for shape in times.values()]
+    common = set.intersection(*(set(row) for row in trees))
+    score = {t: sum(row[t] / min(row.values()) for row in trees) / len(trees) for t in common}
     best = min(score, key=score.get)
-    print(f"best on average: {best} ({score[best]:.3f} of each shape's fastest; default "
+    print(f"best on average with the tree's mask: {best} ({score[best]:.3f} of each shape's fastest; default "
           f"{score.get(SplitTuning().text(), float('nan')):.3f})")
-    for (batch, rows, context), row in times.items():
-        print(f"  batch {batch:2d} rows {rows:3d} context {context:5d}: best-on-average {row[best]:7.1f} us")
+    for (batch, rows, context), shape in times.items():
+        print(f"  batch {batch:2d} rows {rows:3d} context {context:5d}: best-on-average tree's mask "
+              f"{shape['tree'][best]:7.1f} us, width's mask {shape['width'].get(best, float('nan')):7.1f} us")
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": LAYERS,
-                       "shapes": [{"batch": b, "rows": r, "context": c, "one_row_us": one_row[(b, c)], "us": row}
-                                  for (b, r, c), row in times.items()],
+                       "shapes": [{"batch": b, "rows": r, "context": c, "one_row_us": one_row[(b, c)], "us": shape}
+                                  for (b, r, c), shape in times.items()],
                        "score": score, "best": best}, f, indent=1)
     if args.best:
         with open(args.best, "w") as f:
