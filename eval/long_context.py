@@ -252,7 +252,10 @@ def measure(loaded, method: str, prompts: list[list[int]], args: argparse.Namesp
             generate(args.max_new_tokens)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    captured = len(decoder.captures)
     tokens, wall, steps, prefill_s = generate(args.max_new_tokens)
+    # Graphs captured inside the timed generation (the warm-up should leave none): their seconds are in its time.
+    late = [{"tree": c.kind.tree, "width": c.width, "seconds": c.seconds} for c in decoder.captures[captured:]]
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     if prefill_s is None:  # generate gives no time of its prefill: a one-token generation of the batch's
         _, prefill_s, _, _ = generate(1)
@@ -263,7 +266,8 @@ def measure(loaded, method: str, prompts: list[list[int]], args: argparse.Namesp
             "accept_length": new_tokens / sum(steps) if steps and sum(steps) else None,
             "wall_time_s": wall, "prefill_s": prefill_s, "tokens_per_s": new_tokens / wall,
             "decode_tokens_per_s": (new_tokens - batch) / decode_s if decode_s > 0 and new_tokens > batch else None,
-            "peak_memory_bytes": peak, "warmup_s": warmup_s, "error": None, "token_ids": tokens}
+            "peak_memory_bytes": peak, "warmup_s": warmup_s, "captured_while_timed": late, "error": None,
+            "token_ids": tokens}
 
 
 def _free_memory(device: torch.device) -> None:

@@ -79,6 +79,17 @@ def test_tuning_is_parsed_from_its_text_and_bad_fields_are_named():
             SplitTuning.parse(bad)
 
 
+def test_a_split_mask_other_than_width_or_tree_is_refused(monkeypatch):
+    from ppd.decoding import grouped_attention
+
+    monkeypatch.delenv("PPD_SPLIT_MASK", raising=False)
+    assert grouped_attention.split_mask() == "width"
+    monkeypatch.setenv("PPD_GROUPED_SDPA", "split")
+    monkeypatch.setenv("PPD_SPLIT_MASK", "compact")
+    with pytest.raises(ValueError, match="PPD_SPLIT_MASK must be one of width, tree"):
+        grouped_attention.compact_tree_mask([None], torch.device("cpu"))
+
+
 def _case_kernel_tree_mask():
     """With the rows' lengths the kernel takes the tree's own mask: the prefix seen by every row, the tree block
     as the mask says, and nothing past the tree read (the stale tail holds NaN here, which one read would spread)."""
@@ -175,7 +186,9 @@ def _case_decoding():
     original = split_attention.split_attention
     split_attention.split_attention = lambda *a, **kw: (
         seen.append((a[0].shape[2], a[3].shape[-1], kw.get("lengths") is not None)) or original(*a, **kw))
-    for arch, window in (("llama", None), ("mistral", 200)):  # a sliding window: masks over the whole width
+    # The tree's own mask where asked for and no layer has a sliding window, else a mask over the whole width.
+    for arch, window, mask in (("llama", None, "tree"), ("llama", None, "width"), ("mistral", 200, "tree")):
+        os.environ["PPD_SPLIT_MASK"] = mask
         model = tiny_model(arch, seed=9, max_positions=1024, window=window)
         vocab = model.config.vocab_size
         rng = random.Random(9)
@@ -189,7 +202,7 @@ def _case_decoding():
             assert a.token_ids == b.token_ids == hf_greedy(model, prompt, 30)
         assert sum(o.steps for o in ppd) < sum(o.steps for o in base)  # guesses were accepted
         tree_steps = [(rows, width, compact) for rows, width, compact in seen if rows < 100]  # not the prefills
-        assert tree_steps and all(compact == (window is None) and (width == rows) == compact
+        assert tree_steps and all(compact == (window is None and mask == "tree") and (width == rows) == compact
                                   for rows, width, compact in tree_steps), seen
 
 
@@ -197,6 +210,7 @@ def _in_interpreter(case: str) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     env.pop("PPD_GROUPED_SDPA", None)
+    env.pop("PPD_SPLIT_MASK", None)
     done = subprocess.run([sys.executable, "-c", f"from tests.test_split_attention import {case}; {case}()"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
@@ -225,16 +239,18 @@ def test_a_dense_tree_step_through_it_gives_the_same_logits():
 
 def test_decoding_through_it_equals_greedy_generate():
     """PPD through the split kernel, prompts of 600, 170 and 3 tokens in one batch: transformers' greedy tokens,
-    in fewer steps than the baseline; a Llama's tree steps hand the kernel the tree's own mask and the lengths, a
-    Mistral's with a sliding window the mask over the whole width."""
+    in fewer steps than the baseline; with ``PPD_SPLIT_MASK=tree`` a Llama's tree steps hand the kernel the tree's
+    own mask and the lengths, a Mistral's with a sliding window the mask over the whole width, as a Llama's do by
+    default."""
     _in_interpreter("_case_decoding")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernel runs on a CUDA GPU")
 @pytest.mark.parametrize("capture", ["eager", "compiled_graph"])
-def test_on_a_gpu_it_equals_sdpa_and_the_captured_step_equals_the_eager_one(capture, monkeypatch):
-    """bfloat16 against SDPA; the compiled and captured step through it gives the eager step's tokens and
-    transformers' greedy ones, 2,000-token prompts among them."""
+@pytest.mark.parametrize("mask", ["width", "tree"])
+def test_on_a_gpu_it_equals_sdpa_and_the_captured_step_equals_the_eager_one(capture, mask, monkeypatch):
+    """bfloat16 against SDPA; the compiled and captured step through it, with either mask, gives the eager step's
+    tokens and transformers' greedy ones, 2,000-token prompts among them."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from ppd import Decoder
@@ -251,6 +267,7 @@ def test_on_a_gpu_it_equals_sdpa_and_the_captured_step_equals_the_eager_one(capt
                                rtol=2e-2, atol=2e-2)
 
     monkeypatch.setenv("PPD_GROUPED_SDPA", "split")
+    monkeypatch.setenv("PPD_SPLIT_MASK", mask)
     torch.manual_seed(13)
     config = LlamaConfig(vocab_size=256, hidden_size=192, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=4096)

@@ -25,11 +25,11 @@ step took 2.4 ms at 1K context and 5.5 ms at 8K at batch 1 (14 ms at batch 16), 
 at both (2.6 ms at batch 16; `results/deep_gpu/h200/v7/long_context_dense.json`), as if the attention kernel
 walked the whole cache in one block per head and row tile; a matrix product spreads over the cache's width
 instead. ``PPD_GROUPED_SDPA=split`` (opt-in) runs a tree step's attention through ppd's Triton kernel over pieces
-of the cache (:mod:`ppd.decoding.split_attention`): attention alone over 8K slots at batch 1 with 130 rows took 1.2
-ms against the matrix products' 1.8, and at 8K a 128-row tree then decoded at 1.31x the baseline on an H200
-(`results/deep_gpu/h200/v13/`); one row keeps SDPA. Anything this function does not handle itself (no mask,
-attention dropout, soft-capping, attention sinks, equal head counts) goes to transformers' own SDPA function
-unchanged.
+of the cache (:mod:`ppd.decoding.split_attention`): at 8K a 128-row tree then decoded at 1.56x the baseline at
+batch 1 on an H200 (`results/deep_gpu/h200/v14/`); one row keeps SDPA. ``PPD_SPLIT_MASK=tree`` hands it the
+tree's own mask and the rows' lengths instead of a mask over the whole width (:func:`split_mask`). Anything this
+function does not handle itself (no mask, attention dropout, soft-capping, attention sinks, equal head counts) goes
+to transformers' own SDPA function unchanged.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ SPLIT_NAME = "ppd_grouped_split"
 LENGTHS_KEYWORD = "ppd_lengths"  # the model keyword a split tree step passes its rows' cache lengths under
 
 MODES = ("auto", "off", "folded", "matmul", "split")
+SPLIT_MASKS = ("width", "tree")
 
 
 def mode() -> str:
@@ -176,11 +177,23 @@ def active(model_config):
     return attention_switch.switched(model_config, NAME, grouped_sdpa)
 
 
+def split_mask() -> str:
+    """``PPD_SPLIT_MASK``: what mask a tree step hands the split kernel, ``width`` (the default: ``[B, 1, T, W]``
+    over the cache's whole width) or ``tree`` (the tree's own ``[B, 1, T, T]`` with the rows' lengths, O(T^2 B)
+    memory; on an H200 at 8K its steps took 3.1 ms end to end against 2.6 ms with the width's mask, for a reason
+    not yet found, though the kernel alone was faster with it: see the README's "GPU: long context")."""
+    found = os.environ.get("PPD_SPLIT_MASK", "width")
+    if found not in SPLIT_MASKS:
+        raise ValueError(f"PPD_SPLIT_MASK must be one of {', '.join(SPLIT_MASKS)}, got {found!r}")
+    return found
+
+
 def compact_tree_mask(windows, device: torch.device) -> bool:
     """Whether a dense tree step of a model this module :func:`applies` to hands the split kernel its tree's own
     mask and its rows' lengths (:data:`LENGTHS_KEYWORD`) instead of a mask over the cache's whole width:
-    ``PPD_GROUPED_SDPA=split``, no layer has a sliding window, and the kernel runs on ``device``."""
-    return (mode() == "split" and all(w is None for w in windows)
+    ``PPD_GROUPED_SDPA=split`` with ``PPD_SPLIT_MASK=tree``, no layer has a sliding window, and the kernel runs on
+    ``device``."""
+    return (mode() == "split" and split_mask() == "tree" and all(w is None for w in windows)
             and split_attention.runs_on_device(torch.device(device)))
 
 
@@ -191,5 +204,6 @@ def applies(model_config, query_group: int) -> bool:
             and all(c._attn_implementation == "sdpa" for c in attention_switch.configs_of(model_config)))
 
 
-__all__ = ["FOLDED_NAME", "LENGTHS_KEYWORD", "MATMUL_NAME", "MODES", "NAME", "SPLIT_NAME", "active", "applies",
-           "compact_tree_mask", "enabled", "folded_sdpa", "grouped_sdpa", "matmul_sdpa", "mode", "split_sdpa"]
+__all__ = ["FOLDED_NAME", "LENGTHS_KEYWORD", "MATMUL_NAME", "MODES", "NAME", "SPLIT_MASKS", "SPLIT_NAME", "active",
+           "applies", "compact_tree_mask", "enabled", "folded_sdpa", "grouped_sdpa", "matmul_sdpa", "mode",
+           "split_mask", "split_sdpa"]

@@ -11,15 +11,19 @@ took 5.5 ms at 8K against 2.4 ms at 1K). This kernel gives the work the cache's 
 * the cache's slots are cut into pieces, one program per (piece, batch row and key head, tile of folded rows),
   each keeping a running maximum and sum (the online softmax) and writing its piece's result and log-sum-exp in
   float32;
-* the pieces are merged by their log-sum-exp, which gives the softmax over the whole width.
+* the pieces are merged by their log-sum-exp, which gives the softmax over the whole width: a second kernel reads
+  every piece of a few rows at once and writes the result in the query's dtype, laid out as ``[B, T, Hq, D]`` (where
+  one piece spans the width, the first kernel writes the result itself).
 
 Scores, the softmax and the merge run in float32 (the weights are rounded to the values' dtype before their product
 with the values, as flash attention does; float32 inputs are multiplied in full precision, not TF32) and the mask is
-added to each score as the model's own SDPA adds it, so the result is SDPA's up to rounding. A tree step of a model
-without sliding windows hands the kernel its rows' cache lengths and the tree's own mask ``[B, 1, T, T]`` instead of
-the ``[B, 1, T, W]`` one (``LanguageModel.compact_mask``): every slot below a row's length is seen, the tree's slots
-as its mask says, and the pieces stop reading at the tree's last slot, so the step's mask takes O(T^2 B) memory, not
-O(T W B), and the cache's unused tail is never read. Written in Triton; on a CPU the same kernel runs through
+added to each score as the model's own SDPA adds it, so the result is SDPA's up to rounding. With
+``PPD_SPLIT_MASK=tree``, a tree step of a model without sliding windows hands the kernel its rows' cache lengths and
+the tree's own mask ``[B, 1, T, T]`` instead of the ``[B, 1, T, W]`` one (``LanguageModel.compact_mask``): every slot
+below a row's length is seen (in a loop of its own, with no mask read), the tree's slots as its mask says, and the
+pieces stop reading at the tree's last slot, so the step's mask takes O(T^2 B) memory, not O(T W B), and the cache's
+unused tail is never read. How the cache is cut and walked (:class:`SplitTuning`) was chosen by
+``results/deep_gpu/split_sweep.py``. Written in Triton; on a CPU the same kernel runs through
 Triton's interpreter (for the tests only: it is slow). ``PPD_GROUPED_SDPA=split`` selects it for dense tree steps
 (:mod:`ppd.decoding.grouped_attention`).
 """
@@ -47,11 +51,12 @@ class SplitTuning:
     program reads at a time; ``warps`` and ``stages``: Triton's launch options for the pieces' kernel.
     ``PPD_SPLIT_TUNING`` overrides fields by name, e.g. ``per_processor=4,block_n=32``."""
 
+    # Fastest on average over five shapes on an H200 (results/deep_gpu/h200/v14b/split_sweep.json)
     per_processor: int = 2
     min_piece: int = 256
     block_n: int = 64
     warps: int = 4
-    stages: int = 2
+    stages: int = 3
 
     @classmethod
     def parse(cls, text: str) -> "SplitTuning":

@@ -130,7 +130,8 @@ def main(argv=None) -> int:
                 try:
                     row[tuning.text()] = time_split(inputs, way, tuning, args.repeats)
                 except Exception as error:  # a launch the GPU refuses (too much shared memory): skip it, say so
-                    print(f"{tuning.text()} {way} at {batch, rows, context}: {type(error).__name__}: {str(error)[:200]}")
+                    print(f"{tuning.text()} {way} at {batch, rows, context}: "
+                          f"{type(error).__name__}: {str(error)[:200]}")
             default = row.get(SplitTuning().text(), float("nan"))
             fastest = sorted(row.items(), key=lambda item: item[1])[:2]
             print(f"batch {batch:2d} rows {rows:3d} context {context:5d} {way:5s} mask: one row "
