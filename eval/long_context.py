@@ -232,10 +232,12 @@ def measure(loaded, method: str, prompts: list[list[int]], args: argparse.Namesp
     device = decoder.device
     batch = len(prompts)
     warmup_s = None
+    passes = [None]  # the engine's pass times of each generation (the last: the timed one)
     if method in ENGINE_METHODS:
         def generate(max_new_tokens):
             outs = decoder.generate(prompts, DecodeConfig(method=method, max_new_tokens=max_new_tokens,
                                                           capture=args.capture))
+            passes.append(pass_times([outs[0].prefill_time_s] + outs[0].report_times_s))
             return [o.token_ids for o in outs], outs[0].wall_time_s, [o.steps for o in outs], outs[0].prefill_time_s
 
         warmup_s = decoder.warmup(batch_sizes=[batch], methods=[method], capture=args.capture)
@@ -266,8 +268,19 @@ def measure(loaded, method: str, prompts: list[list[int]], args: argparse.Namesp
             "accept_length": new_tokens / sum(steps) if steps and sum(steps) else None,
             "wall_time_s": wall, "prefill_s": prefill_s, "tokens_per_s": new_tokens / wall,
             "decode_tokens_per_s": (new_tokens - batch) / decode_s if decode_s > 0 and new_tokens > batch else None,
-            "peak_memory_bytes": peak, "warmup_s": warmup_s, "captured_while_timed": late, "error": None,
+            "peak_memory_bytes": peak, "warmup_s": warmup_s, "captured_while_timed": late,
+            "pass_ms": passes[-1], "error": None,
             "token_ids": tokens}
+
+
+def pass_times(reports: list[float]) -> dict | None:
+    """Milliseconds between the host's reads of successive reports (``reports``: seconds from the start, the
+    prefill's first): their median, slowest and count, so that one slow pass (a graph captured late) shows beside
+    steady ones."""
+    gaps = sorted(1e3 * (b - a) for a, b in zip(reports, reports[1:]))
+    if not gaps:
+        return None
+    return {"median": gaps[len(gaps) // 2], "max": gaps[-1], "count": len(gaps)}
 
 
 def _free_memory(device: torch.device) -> None:
@@ -340,6 +353,11 @@ def run(args: argparse.Namespace) -> tuple[dict, PartialRun]:
                         _free_memory(device)  # out of the except block: its traceback no longer holds tensors
                     speed = (f"{row['decode_tokens_per_s'] or 0:9.1f} decode tokens/s | {row['tokens_per_s']:9.1f} "
                              "tokens/s" if not row["error"] else "out of memory")
+                    if not row["error"] and row.get("pass_ms"):
+                        gaps = row["pass_ms"]
+                        speed += f" | a pass {gaps['median']:.2f} ms (slowest {gaps['max']:.2f})"
+                    if row.get("captured_while_timed"):
+                        speed += f" | {len(row['captured_while_timed'])} graphs captured while timed"
                     print(f"context {context:6d} | batch {batch:4d} | {name:9s} | {speed}", file=sys.stderr)
                     here.append(row)
                 _compare(here, list(variants))

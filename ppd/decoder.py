@@ -62,6 +62,9 @@ class GenerationOutput:
     step_tokens: list[int] = field(default_factory=list)  # tokens emitted by each step
     # Of ``wall_time_s``, the seconds until the prefill's first token was on the host (the rest: the steps).
     prefill_time_s: float = 0.0
+    # The seconds from the start until each of the batch's step reports was on the host (one per forward pass of
+    # the batch: its longest row's steps), to tell steady passes from a slow one.
+    report_times_s: list[float] = field(default_factory=list)
 
     @property
     def new_tokens(self) -> int:
@@ -347,16 +350,16 @@ class Decoder:
         single = len(input_ids) > 0 and isinstance(input_ids[0], int)
         batch = [list(input_ids)] if single else [list(x) for x in input_ids]
         start = time.perf_counter()
-        progress = prefilled = None
+        progress = None
+        reports = []  # when each report was on the host: the first follows the prefill, then one per step
         for progress in decode(self, batch, config):
-            # The first report follows the prefill, read back to the host: the step time starts here.
-            prefilled = prefilled or time.perf_counter()
+            reports.append(time.perf_counter() - start)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         end = time.perf_counter()
         outputs = [
             GenerationOutput(progress.tokens[b], progress.steps[b], progress.reason[b] or "length", end - start,
-                             progress.step_tokens[b], prefilled - start)
+                             progress.step_tokens[b], reports[0], reports[1:])
             for b in range(len(batch))
         ]
         return outputs[0] if single else outputs

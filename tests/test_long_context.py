@@ -85,6 +85,12 @@ def test_an_end_to_end_run_on_the_cpu(tmp_path, capsys):
         assert row["peak_memory_bytes"] is None  # no GPU
         assert row["identical_to_reference"] == 1.0, (batch, method)
         assert (row["steps"] is None) == (method == "hf_static")
+        if method == "hf_static":
+            assert row["pass_ms"] is None and row["captured_while_timed"] == []
+        else:  # one gap per pass of the batch, from the prefill's read-back on
+            gaps = row["pass_ms"]
+            assert gaps["count"] == row["max_steps"] and 0 < gaps["median"] <= gaps["max"]
+            assert row["captured_while_timed"] == []  # nothing is captured on a CPU
     assert rows[(2, "ppd")]["prompt_tokens_min"] < rows[(2, "ppd")]["prompt_tokens_max"]
     ppd = rows[(2, "ppd")]
     assert ppd["accept_length"] >= 1 and ppd["speedup_decode_vs_baseline"] > 0 and ppd["speedup_vs_hf_static"] > 0

@@ -86,19 +86,24 @@ class LanguageModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.transform(self.head(hidden))
 
+    @contextlib.contextmanager
     def stepping(self):
         """The context a step's forward runs in (host side: entered around the compiled or captured call): the
         model's attention layers switched to ppd's FlexAttention function where :attr:`flex` is set, else to
         SDPA over the unrepeated key heads where :func:`grouped_attention.applies` (and :attr:`compact_mask` set
-        for this step as :func:`grouped_attention.compact_tree_mask` says)."""
-        self.compact_mask = False
+        for this step as :func:`grouped_attention.compact_tree_mask` says, and unset again on leaving)."""
+        switched = contextlib.nullcontext()
         if self.flex:
-            return tree_attention.active(self.body.config)
-        if grouped_attention.applies(self.body.config, self.query_group):
+            switched = tree_attention.active(self.body.config)
+        elif grouped_attention.applies(self.body.config, self.query_group):
             self.compact_mask = grouped_attention.compact_tree_mask(self.layers.kinds.values(),
                                                                     self.embed.weight.device)
-            return grouped_attention.active(self.body.config)
-        return contextlib.nullcontext()
+            switched = grouped_attention.active(self.body.config)
+        try:
+            with switched:
+                yield
+        finally:
+            self.compact_mask = False
 
 
 @dataclass(frozen=True)
