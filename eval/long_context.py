@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -254,10 +255,11 @@ def measure(loaded, method: str, prompts: list[list[int]], args: argparse.Namesp
             generate(args.max_new_tokens)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    captured = len(decoder.captures)
+    captured = {id(c) for c in decoder.captures}
     tokens, wall, steps, prefill_s = generate(args.max_new_tokens)
     # Graphs captured inside the timed generation (the warm-up should leave none): their seconds are in its time.
-    late = [{"tree": c.kind.tree, "width": c.width, "seconds": c.seconds} for c in decoder.captures[captured:]]
+    late = [{"tree": c.kind.tree, "width": c.width, "seconds": c.seconds} for c in decoder.captures
+            if id(c) not in captured]
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     if prefill_s is None:  # generate gives no time of its prefill: a one-token generation of the batch's
         _, prefill_s, _, _ = generate(1)
@@ -277,10 +279,10 @@ def pass_times(reports: list[float]) -> dict | None:
     """Milliseconds between the host's reads of successive reports (``reports``: seconds from the start, the
     prefill's first): their median, slowest and count, so that one slow pass (a graph captured late) shows beside
     steady ones."""
-    gaps = sorted(1e3 * (b - a) for a, b in zip(reports, reports[1:]))
+    gaps = [1e3 * (b - a) for a, b in zip(reports, reports[1:])]
     if not gaps:
         return None
-    return {"median": gaps[len(gaps) // 2], "max": gaps[-1], "count": len(gaps)}
+    return {"median": statistics.median(gaps), "max": max(gaps), "count": len(gaps)}
 
 
 def _free_memory(device: torch.device) -> None:

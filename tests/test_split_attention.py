@@ -60,6 +60,13 @@ def _case_kernel():
     mask[:, :, :3, :100] = float("-inf")
     torch.testing.assert_close(split_attention(q, k, v, mask, 0.25, 3), _reference(q, k, v, mask, 0.25),
                                rtol=1e-5, atol=1e-5)
+    # more pieces than a merging program holds for a head of 128 (64): capped, one row a merging program
+    q, k, v = (torch.randn(1, 2, 3, 128, generator=g), torch.randn(1, 1, 5000, 128, generator=g),
+               torch.randn(1, 1, 5000, 128, generator=g))
+    mask = torch.zeros(1, 1, 3, 5000)
+    mask[:, :, 1:, 4000:] = float("-inf")
+    torch.testing.assert_close(split_attention(q, k, v, mask, 0.1, 100), _reference(q, k, v, mask, 0.1),
+                               rtol=1e-5, atol=1e-5)
     try:
         split_attention(q, k, v, mask.bool(), 1.0)
     except ValueError as error:
@@ -74,7 +81,9 @@ def test_tuning_is_parsed_from_its_text_and_bad_fields_are_named():
     tuning = SplitTuning.parse("per_processor=4, block_n=32")
     assert tuning == SplitTuning(per_processor=4, block_n=32) and SplitTuning.parse(tuning.text()) == tuning
     assert SplitTuning.parse("") == SplitTuning()
-    for bad in ("blocks=3", "block_n=0", "warps=two", "stages"):
+    assert SplitTuning.parse(" warps = 8 ,") == SplitTuning(warps=8)
+    # names and values it cannot take, and launch options Triton's kernel cannot run with
+    for bad in ("blocks=3", "block_n=0", "warps=two", "stages", "block_n=48", "block_n=8", "warps=3", "stages=0"):
         with pytest.raises(ValueError, match="PPD_SPLIT_TUNING"):
             SplitTuning.parse(bad)
 

@@ -26,7 +26,8 @@ at both (2.6 ms at batch 16; `results/deep_gpu/h200/v7/long_context_dense.json`)
 walked the whole cache in one block per head and row tile; a matrix product spreads over the cache's width
 instead. ``PPD_GROUPED_SDPA=split`` (opt-in) runs a tree step's attention through ppd's Triton kernel over pieces
 of the cache (:mod:`ppd.decoding.split_attention`): at 8K a 128-row tree then decoded at 1.56x the baseline at
-batch 1 on an H200 (`results/deep_gpu/h200/v14/`); one row keeps SDPA. ``PPD_SPLIT_MASK=tree`` hands it the
+batch 1 on an H200 (`results/deep_gpu/h200/v14/`, ``PPD_SPLIT_TUNING=per_processor=4,min_piece=128``); one row
+keeps SDPA. ``PPD_SPLIT_MASK=tree`` hands it the
 tree's own mask and the rows' lengths instead of a mask over the whole width (:func:`split_mask`). Anything this
 function does not handle itself (no mask, attention dropout, soft-capping, attention sinks, equal head counts) goes
 to transformers' own SDPA function unchanged.

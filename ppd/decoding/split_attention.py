@@ -39,7 +39,7 @@ import os
 import torch
 
 BLOCK_M = 64  # folded query rows a program holds
-MERGE_ELEMENTS = 8192  # values a merging program holds: its pieces x rows x head size
+MERGE_ELEMENTS = 8192  # values a merging program holds, at most: its pieces x rows x head size (padded)
 HAS_TRITON = importlib.util.find_spec("triton") is not None  # it comes with PyTorch's CUDA builds
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter, on CPU tensors (the tests)
 
@@ -51,21 +51,32 @@ class SplitTuning:
     program reads at a time; ``warps`` and ``stages``: Triton's launch options for the pieces' kernel.
     ``PPD_SPLIT_TUNING`` overrides fields by name, e.g. ``per_processor=4,block_n=32``."""
 
-    # Fastest on average over five shapes on an H200 (results/deep_gpu/h200/v14b/split_sweep.json)
+    # Fastest on average over five shapes with the tree's own mask on an H200
+    # (results/deep_gpu/h200/v14b/split_sweep.json; with the width's mask the sweep chose nothing)
     per_processor: int = 2
     min_piece: int = 256
     block_n: int = 64
     warps: int = 4
     stages: int = 3
 
+    def __post_init__(self):
+        for name in ("per_processor", "min_piece", "block_n", "warps", "stages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"PPD_SPLIT_TUNING: {name} must be at least 1, got {getattr(self, name)}")
+        for name, least in (("block_n", 16), ("warps", 1)):  # a block of slots is a side of both products
+            value = getattr(self, name)
+            if value < least or value & (value - 1):
+                raise ValueError(f"PPD_SPLIT_TUNING: {name} must be a power of two of at least {least}, got {value}")
+
     @classmethod
     def parse(cls, text: str) -> "SplitTuning":
-        """Fields from ``name=value`` pairs separated by commas; an unknown name or a value below 1 raises."""
+        """Fields from ``name=value`` pairs separated by commas; an unknown name, a value that is no positive
+        integer, or one the kernel cannot launch with (see ``__post_init__``) raises."""
         fields = {f.name for f in dataclasses.fields(cls)}
         values = {}
         for pair in filter(None, (part.strip() for part in text.split(","))):
-            name, _, value = pair.partition("=")
-            if name not in fields or not value.strip().isdigit() or int(value) < 1:
+            name, _, value = (part.strip() for part in pair.partition("="))
+            if name not in fields or not value.isdigit():
                 raise ValueError(f"PPD_SPLIT_TUNING: {pair!r} is not one of {sorted(fields)} set to a positive "
                                  f"integer")
             values[name] = int(value)
@@ -173,6 +184,8 @@ def _operator(query, key, value, mask, lengths, scale, pieces, per_processor, mi
         processors = _processors(query.device.index or 0) if query.is_cuda else torch.get_num_threads()
         pieces = piece_count(batch * key_heads * tiles, width, processors,
                              SplitTuning(per_processor, min_piece, block_n, warps, stages))
+    block_d = max(16, 1 << (dim - 1).bit_length())
+    pieces = min(pieces, max(2, MERGE_ELEMENTS // block_d))  # a merging program holds every piece of a row
     piece = _round_up(-(-width // pieces), block_n)  # slots per piece
     pieces = -(-width // piece)
     whole = pieces == 1  # the one piece writes the result itself
@@ -180,7 +193,6 @@ def _operator(query, key, value, mask, lengths, scale, pieces, per_processor, mi
     lse = torch.empty(pieces, batch, key_heads, folded, device=query.device, dtype=torch.float32)
     result = _result(query)
     tree = lengths is not None
-    block_d = max(16, 1 << (dim - 1).bit_length())
     _kernel(query.device)[(pieces, batch * key_heads, tiles)](
         query, key, value, mask, lengths if tree else lse, out, lse, result,
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
@@ -192,7 +204,8 @@ def _operator(query, key, value, mask, lengths, scale, pieces, per_processor, mi
         WHOLE=whole, PRECISION="ieee" if query.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
     if not whole:
         spread = max(2, 1 << (pieces - 1).bit_length())  # the pieces, rounded up to a power of two
-        merged_rows = max(1, min(64, 1 << (MERGE_ELEMENTS // (spread * block_d)).bit_length() - 1))
+        fit = max(1, MERGE_ELEMENTS // (spread * block_d))  # rows whose pieces a merging program can hold
+        merged_rows = min(64, 1 << (fit.bit_length() - 1))  # a power of two
         _merge_kernel(query.device)[(batch * key_heads, -(-folded // merged_rows))](
             out, lse, result, out.stride(0), out.stride(1), out.stride(2), out.stride(3),
             lse.stride(0), lse.stride(1), lse.stride(2), result.stride(0), result.stride(1), result.stride(2),

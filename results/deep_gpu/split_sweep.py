@@ -103,8 +103,9 @@ def check(inputs) -> tuple[float, float]:
 
 
 def grid() -> list[SplitTuning]:
-    # the seventeenth session's sweep over per_processor 1-8, min_piece 128-256, block_n 32-128, warps 4-8 and
-    # stages 1-3 found block_n 64, 4 warps and 3 stages fastest at every shape (h200/v14/split_sweep_first.json)
+    # The eighteenth session's first sweep (one loop for the prefix and the tree) over per_processor 1-8, min_piece
+    # 128-256, block_n 32-128, warps 4-8 and stages 1-3 found block_n 64, 4 warps and 3 stages fastest at every
+    # shape (h200/v14/split_sweep_first.json).
     return [SplitTuning(per_processor=p, min_piece=m, block_n=64, warps=4, stages=s)
             for p, m, s in itertools.product((2, 4, 8), (128, 256), (2, 3))]
 
