@@ -155,7 +155,7 @@ def _several_pieces():
     thread count: up to 4 pieces of at least 128 slots."""
     from ppd.decoding import split_attention
 
-    split_attention.piece_count = lambda programs, width, processors, tuning: max(1, min(4, width // 128))
+    split_attention.piece_count = lambda programs, width, processors, *tuning: max(1, min(4, width // 128))
 
 
 def _case_dense_step():

@@ -88,16 +88,15 @@ def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
     path refuses it."""
     lengths = kwargs.pop(LENGTHS_KEYWORD, None)
     batch, heads, rows, dim = query.shape
-    splits = (layout == "split" and rows > 1 and isinstance(attention_mask, torch.Tensor)
-              and attention_mask.shape[1] == 1 and not dropout and not kwargs.get("softcap")
-              and kwargs.get("s_aux") is None and value.shape[-1] == dim and query.dtype == key.dtype == value.dtype
-              and split_attention.runs_on(query))
+    # What this function computes itself (a mask tensor, no dropout, soft-capping or sinks); the rest, and equal
+    # head counts outside the split kernel, go to transformers' SDPA.
+    handled = (isinstance(attention_mask, torch.Tensor) and not dropout and not kwargs.get("softcap")
+               and kwargs.get("s_aux") is None)
+    splits = (layout == "split" and handled and rows > 1 and attention_mask.shape[1] == 1 and value.shape[-1] == dim
+              and query.dtype == key.dtype == value.dtype and split_attention.runs_on(query))
     if lengths is not None and not splits:
         raise RuntimeError("a tree step's own mask (with its rows' lengths) reached an attention path other than the "
                            "split kernel, which alone reads it; unset PPD_GROUPED_SDPA=split for this model")
-    if not splits and (not isinstance(attention_mask, torch.Tensor) or dropout or kwargs.get("softcap")
-                       or kwargs.get("s_aux") is not None or query.shape[1] == key.shape[1]):
-        return _own_sdpa()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if splits:
         mask = attention_mask
         if mask.dtype == torch.bool:
@@ -105,6 +104,8 @@ def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
         out = split_attention.split_attention(query, key, value, mask, dim ** -0.5 if scaling is None else scaling,
                                               lengths=lengths)
         return out.transpose(1, 2).contiguous(), None
+    if not handled or query.shape[1] == key.shape[1]:
+        return _own_sdpa()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if rows == 1 or layout in ("gqa", "split"):
         out = torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True)

@@ -102,20 +102,13 @@ def runs_on_device(device: torch.device) -> bool:
 
 
 def _kernels(device: torch.device):
+    """The module of the kernels (:mod:`ppd.decoding.split_kernel`), where they can run on ``device``."""
     from . import split_kernel
 
     if device.type != "cuda" and type(split_kernel.kernel).__name__ != "InterpretedFunction":
         raise RuntimeError("split attention runs on a CUDA GPU (or, for tests, on a CPU under Triton's interpreter: "
                            "TRITON_INTERPRET=1 set before Triton is imported)")
     return split_kernel
-
-
-def _kernel(device: torch.device):
-    return _kernels(device).kernel
-
-
-def _merge_kernel(device: torch.device):
-    return _kernels(device).merge_kernel
 
 
 @functools.lru_cache(maxsize=None)
@@ -127,12 +120,12 @@ def _round_up(n: int, unit: int) -> int:
     return -(-n // unit) * unit
 
 
-def piece_count(programs: int, width: int, processors: int, tuning: SplitTuning = SplitTuning()) -> int:
+def piece_count(programs: int, width: int, processors: int, per_processor: int, min_piece: int) -> int:
     """Pieces to cut ``width`` slots into so that ``programs`` tiles (batch rows x key heads x row tiles) become
-    about ``tuning.per_processor`` programs per processor, no more pieces than ``width / tuning.min_piece``
-    rounded up (the pieces are then evened out, so one may hold fewer slots)."""
-    wanted = max(1, math.ceil(tuning.per_processor * processors / programs))
-    return max(1, min(wanted, math.ceil(width / tuning.min_piece)))
+    about ``per_processor`` programs per processor, no more pieces than ``width / min_piece`` rounded up (the
+    pieces are then evened out, so one may hold fewer slots); the two as :class:`SplitTuning` names them."""
+    wanted = max(1, math.ceil(per_processor * processors / programs))
+    return max(1, min(wanted, math.ceil(width / min_piece)))
 
 
 def split_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
@@ -182,8 +175,7 @@ def _operator(query, key, value, mask, lengths, scale, pieces, per_processor, mi
     tiles = -(-folded // BLOCK_M)
     if pieces <= 0:
         processors = _processors(query.device.index or 0) if query.is_cuda else torch.get_num_threads()
-        pieces = piece_count(batch * key_heads * tiles, width, processors,
-                             SplitTuning(per_processor, min_piece, block_n, warps, stages))
+        pieces = piece_count(batch * key_heads * tiles, width, processors, per_processor, min_piece)
     block_d = max(16, 1 << (dim - 1).bit_length())
     pieces = min(pieces, max(2, MERGE_ELEMENTS // block_d))  # a merging program holds every piece of a row
     piece = _round_up(-(-width // pieces), block_n)  # slots per piece
@@ -193,7 +185,8 @@ def _operator(query, key, value, mask, lengths, scale, pieces, per_processor, mi
     lse = torch.empty(pieces, batch, key_heads, folded, device=query.device, dtype=torch.float32)
     result = _result(query)
     tree = lengths is not None
-    _kernel(query.device)[(pieces, batch * key_heads, tiles)](
+    kernels = _kernels(query.device)
+    kernels.kernel[(pieces, batch * key_heads, tiles)](
         query, key, value, mask, lengths if tree else lse, out, lse, result,
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2), mask.stride(0), mask.stride(2),
@@ -206,7 +199,7 @@ def _operator(query, key, value, mask, lengths, scale, pieces, per_processor, mi
         spread = max(2, 1 << (pieces - 1).bit_length())  # the pieces, rounded up to a power of two
         fit = max(1, MERGE_ELEMENTS // (spread * block_d))  # rows whose pieces a merging program can hold
         merged_rows = min(64, 1 << (fit.bit_length() - 1))  # a power of two
-        _merge_kernel(query.device)[(batch * key_heads, -(-folded // merged_rows))](
+        kernels.merge_kernel[(batch * key_heads, -(-folded // merged_rows))](
             out, lse, result, out.stride(0), out.stride(1), out.stride(2), out.stride(3),
             lse.stride(0), lse.stride(1), lse.stride(2), result.stride(0), result.stride(1), result.stride(2),
             rows, folded, pieces, GROUP=group, KEY_HEADS=key_heads, HEAD_DIM=dim, BLOCK_D=block_d, BP=spread,

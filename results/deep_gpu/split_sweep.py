@@ -11,7 +11,7 @@ Writes every time as JSON, prints the fastest tunings, and writes the tuning tha
 shapes with the tree's mask (each shape's time against that shape's best) as the ``PPD_SPLIT_TUNING`` text to
 ``--best``.
 
-    python results/deep_gpu/split_sweep.py --output sweep.json --best best_tuning.txt
+    PYTHONPATH=. python results/deep_gpu/split_sweep.py --output sweep.json --best best_tuning.txt
 """
 
 from __future__ import annotations
@@ -24,32 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from ppd.decoding.split_attention import SplitTuning, split_attention
+from results.deep_gpu.attention_feed import DIM, HEADS, KEY_HEADS, LAYERS, replay_us
 
-LAYERS, HEADS, KEY_HEADS, DIM = 30, 9, 3, 64
 WAYS = ("tree", "width")
 SHAPES = [(1, 130, 8000), (1, 65, 8000), (1, 17, 8000), (16, 17, 8000), (1, 130, 1000)]  # batch, rows, context
-
-
-def _timed(call, repeats: int) -> float:
-    """Microseconds a replay of ``call`` captured in a CUDA graph takes."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / repeats
 
 
 def _inputs(batch: int, rows: int, context: int):
@@ -78,7 +56,7 @@ def time_split(inputs, way: str, tuning: SplitTuning, repeats: int) -> float:
             else:
                 split_attention(q, keys, values, wide, DIM ** -0.5, tuning=tuning)
 
-    return _timed(call, repeats)
+    return replay_us(call, repeats)[0]
 
 
 def time_one_row(batch: int, context: int, repeats: int) -> float:
@@ -88,7 +66,7 @@ def time_one_row(batch: int, context: int, repeats: int) -> float:
         for keys, values in caches:
             F.scaled_dot_product_attention(q, keys[:, :, :context + 1], values[:, :, :context + 1], enable_gqa=True)
 
-    return _timed(call, repeats)
+    return replay_us(call, repeats)[0]
 
 
 def check(inputs) -> tuple[float, float]:
