@@ -77,6 +77,10 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--trees", nargs="*", default=[],
                         help="tree-set files each added as a PPD variant (ppd:<file name>) beside the methods")
     parser.add_argument("--max_new_tokens", type=int, default=128)
+    parser.add_argument("--samples", type=int, default=1,
+                        help="batches of different prompts timed one after another for each context and batch size, "
+                             "their tokens and times summed (one prompt's accept length varies: at batch 1 a few "
+                             "samples give a steadier figure)")
     parser.add_argument("--data_path", default=None,
                         help="conversations the prompts are cut from (default: the embedded ShareGPT file)")
     parser.add_argument("--output", default=None, help="JSON file")
@@ -226,60 +230,81 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a and b else None
 
 
-def measure(loaded, method: str, prompts: list[list[int]], args: argparse.Namespace, decoder=None) -> dict:
-    """Warm up, then time the whole generation of one batch and its prefill (``method`` on ``decoder``,
-    default the loaded one)."""
+def measure(loaded, method: str, batches: list[list[list[int]]], args: argparse.Namespace, decoder=None) -> dict:
+    """Warm up, then time the whole generation of each of ``batches`` (batches of the same size, different prompts,
+    one after another) and its prefill, summed over them (``method`` on ``decoder``, default the loaded one)."""
     decoder = decoder or loaded.decoder
     device = decoder.device
-    batch = len(prompts)
+    batch = len(batches[0])
     warmup_s = None
-    passes = [None]  # the engine's pass times of each generation (the last: the timed one)
+    passes: list[float] = []  # the milliseconds of each pass of the timed generations
     if method in ENGINE_METHODS:
-        def generate(max_new_tokens):
+        def generate(prompts, max_new_tokens, timed=False):
             outs = decoder.generate(prompts, DecodeConfig(method=method, max_new_tokens=max_new_tokens,
                                                           capture=args.capture))
-            passes.append(pass_times([outs[0].prefill_time_s] + outs[0].report_times_s))
+            if timed:
+                passes.extend(pass_gaps([outs[0].prefill_time_s] + outs[0].report_times_s))
             return [o.token_ids for o in outs], outs[0].wall_time_s, [o.steps for o in outs], outs[0].prefill_time_s
 
         warmup_s = decoder.warmup(batch_sizes=[batch], methods=[method], capture=args.capture)
-        generate(WARMUP_TOKENS)
+        generate(batches[0], WARMUP_TOKENS)
     else:
         tokenizer = loaded.tokenizer
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
-        def generate(max_new_tokens):
+        def generate(prompts, max_new_tokens, timed=False):
+            if timed and device.type == "cuda":  # transformers compiles on a GPU only, once per padded length
+                for _ in range(2):
+                    hf_static_generate(loaded.model, prompts, max_new_tokens, decoder.eos_token_ids, pad)
             tokens, wall = hf_static_generate(loaded.model, prompts, max_new_tokens, decoder.eos_token_ids, pad)
             return tokens, wall, None, None
 
-        for _ in range(2 if device.type == "cuda" else 1):  # transformers compiles on a GPU only
-            generate(args.max_new_tokens)
+        if device.type != "cuda":
+            generate(batches[0], args.max_new_tokens)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     captured = {id(c) for c in decoder.captures}
-    tokens, wall, steps, prefill_s = generate(args.max_new_tokens)
-    # Graphs captured inside the timed generation (the warm-up should leave none): their seconds are in its time.
+    tokens, wall, steps, prefill_s, per_sample = [], 0.0, [], 0.0, []
+    for prompts in batches:
+        here, seconds, counts, prefill = generate(prompts, args.max_new_tokens, timed=True)
+        if prefill is None:  # generate gives no time of its prefill: a one-token generation of the batch's
+            _, prefill, _, _ = generate(prompts, 1)
+        tokens += here
+        wall += seconds
+        prefill_s += prefill
+        steps += counts or []
+        new = sum(map(len, here))
+        per_sample.append({"new_tokens": new, "accept_length": new / sum(counts) if counts else None,
+                           "decode_tokens_per_s": _rate(new - batch, seconds - prefill)})
+    # Graphs captured inside the timed generations (the warm-up should leave none): their seconds are in their time.
     late = [{"tree": c.kind.tree, "width": c.width, "seconds": c.seconds} for c in decoder.captures
             if id(c) not in captured]
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    if prefill_s is None:  # generate gives no time of its prefill: a one-token generation of the batch's
-        _, prefill_s, _, _ = generate(1)
     new_tokens = sum(len(t) for t in tokens)
-    decode_s = wall - prefill_s
-    return {"new_tokens": new_tokens, "steps": sum(steps) if steps else None,
+    return {"samples": len(batches), "new_tokens": new_tokens, "steps": sum(steps) if steps else None,
             "max_steps": max(steps) if steps else None,
             "accept_length": new_tokens / sum(steps) if steps and sum(steps) else None,
             "wall_time_s": wall, "prefill_s": prefill_s, "tokens_per_s": new_tokens / wall,
-            "decode_tokens_per_s": (new_tokens - batch) / decode_s if decode_s > 0 and new_tokens > batch else None,
+            "decode_tokens_per_s": _rate(new_tokens - batch * len(batches), wall - prefill_s),
+            "per_sample": per_sample if len(batches) > 1 else None,
             "peak_memory_bytes": peak, "warmup_s": warmup_s, "captured_while_timed": late,
-            "pass_ms": passes[-1], "error": None,
+            "pass_ms": pass_summary(passes), "error": None,
             "token_ids": tokens}
 
 
-def pass_times(reports: list[float]) -> dict | None:
+def _rate(tokens: int, seconds: float) -> float | None:
+    return tokens / seconds if seconds > 0 and tokens > 0 else None
+
+
+def pass_gaps(reports: list[float]) -> list[float]:
     """Milliseconds between the host's reads of successive reports (``reports``: seconds from the start, the
-    prefill's first): their median, slowest and count, so that one slow pass (a graph captured late) shows beside
-    steady ones."""
-    gaps = [1e3 * (b - a) for a, b in zip(reports, reports[1:])]
+    prefill's first)."""
+    return [1e3 * (b - a) for a, b in zip(reports, reports[1:])]
+
+
+def pass_summary(gaps: list[float]) -> dict | None:
+    """The passes' median, slowest and count, so that one slow pass (a graph captured late) shows beside steady
+    ones."""
     if not gaps:
         return None
     return {"median": statistics.median(gaps), "max": max(gaps), "count": len(gaps)}
@@ -335,20 +360,21 @@ def run(args: argparse.Namespace) -> tuple[dict, PartialRun]:
               "args": vars(args), "environment": environment(device)}
     with compile_limits():  # hf_static compiles its forward once per shape (batch size, cache length) on a GPU
         for context in args.contexts:
-            prompts = long_prompts(loaded.tokenizer, context - args.max_new_tokens, max(args.batch_sizes),
-                                   args.data_path)
+            prompts = long_prompts(loaded.tokenizer, context - args.max_new_tokens,
+                                   max(args.batch_sizes) * args.samples, args.data_path)
             for batch in args.batch_sizes:
                 if len(partial.measured(context=context, batch_size=batch)) == len(variants):
                     print(f"context {context:6d} | batch {batch:4d} | measured already in {args.output}",
                           file=sys.stderr)
                     continue
-                inputs = prompts[:batch]
+                batches = [prompts[i * batch:(i + 1) * batch] for i in range(args.samples)]
+                inputs = [p for rows in batches for p in rows]
                 here = []
                 for name, (own, method) in variants.items():
                     row = {"context": context, "batch_size": batch, "method": name,
                            "prompt_tokens_min": min(map(len, inputs)), "prompt_tokens_max": max(map(len, inputs))}
                     try:
-                        row.update(measure(loaded, method, inputs, args, decoder=own))
+                        row.update(measure(loaded, method, batches, args, decoder=own))
                     except torch.cuda.OutOfMemoryError as error:
                         row.update(error=f"out of memory: {str(error).splitlines()[0]}", token_ids=None)
                     if row["error"]:

@@ -252,11 +252,11 @@ class Decoder:
     def _new_state(self, batch_size: int) -> DecodeState:
         t = self.tables
         n_prompt = t.num_prompt_tokens if t else 0
-        # A step emits at most N + 1 tokens (a path is at most N deep), whatever the tree set; its report has
-        # a column for every node of the tables' padded depth (at least MIN_SIZE) and the root.
+        # A step emits at most N + 1 tokens (a path is at most N deep), whatever the tree set: the report has a
+        # column for each of them.
         layers = self.model.config.get_text_config().num_hidden_layers  # a multimodal model: its text model's
         return DecodeState(layers, batch_size, self._state_slots(), n_prompt, t.top_k if t else 0,
-                           max(n_prompt, MIN_SIZE) + 1, MAX_EOS_IDS, self.device, reserved=INITIAL_SLOTS,
+                           t.most_emitted if t else MIN_SIZE + 1, MAX_EOS_IDS, self.device, reserved=INITIAL_SLOTS,
                            spare_slots=0 if self.lm.flex else 1)
 
     def with_trees(self, trees: TreeSet) -> "Decoder":

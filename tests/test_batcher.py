@@ -260,11 +260,50 @@ def test_a_tree_runs_only_within_the_policys_widest_attention(monkeypatch):
     wide = Decoder(model, tokens, policy=BatchPolicy((1, 8), (trees, None), max_widths=(1024, None)))
     plan = steps_to_prepare(wide, wide.tables, 1, 4096, whole=False)
     assert plan == [(True, [256, 512, 1024]), (False, [256, 512, 1024, 2048, 4096])]
-    assert steps_to_prepare(wide, wide.tables, 1, 1024, whole=False) == [(True, [256, 512, 1024])]
+    # Within the limit, the one-row step only from the model's context window (512 positions) on.
+    assert steps_to_prepare(wide, wide.tables, 1, 1024, whole=False) == [(True, [256, 512, 1024]), (False, [512, 1024])]
     assert steps_to_prepare(wide, wide.tables, 1, 4096, whole=True) == [(True, [4096]), (False, [4096])]
-    assert steps_to_prepare(wide, wide.tables, 1, 1024, whole=True) == [(True, [1024])]
+    assert steps_to_prepare(wide, wide.tables, 1, 1024, whole=True) == [(True, [1024]), (False, [1024])]
+    assert steps_to_prepare(wide, wide.tables, 1, 256, whole=False) == [(True, [256])]
     assert steps_to_prepare(wide, None, 8, 512, whole=False, one_row=True) == [(False, [256, 512])]
     assert "(to width" in policy.describe()
+
+
+def test_warm_up_plans_the_one_row_steps_at_the_end_of_the_context_window(monkeypatch):
+    """A decoding that runs into the model's context window leaves the tree for one row a step there: warm-up's
+    plan holds every one of those steps (with graphs, one missing from it was captured inside the generation),
+    and none where the window is out of reach."""
+    from ppd.decoding import loop
+
+    model = tiny_model(seed=5, max_positions=600)
+    decoder = Decoder(model, random_prompt_tokens(model, 3, 1, seed=5), random_tree_set(seed=9, size=12))
+    tables = decoder.tables
+    assert decoder.capacity == 600
+    ran = []
+    original = graphs.StepRunner.run
+
+    def spy(self, step_tables, prompt_embeds, state, kind, width):
+        ran.append((step_tables is not None, width))
+        return original(self, step_tables, prompt_embeds, state, kind, width)
+
+    monkeypatch.setattr(graphs.StepRunner, "run", spy)
+    monkeypatch.setattr(loop, "captures_graphs", lambda mode: True)  # widths padded as where graphs replay
+    rng = random.Random(5)
+    prompt = [rng.randrange(1, 24) for _ in range(520)]
+    out = decoder.generate(prompt, DecodeConfig(max_new_tokens=200, stop_on_eos=False, capture="eager"))
+    assert len(out.token_ids) == 600 - 520
+    one_row = {width for tree, width in ran if not tree}
+    assert one_row and any(tree for tree, _ in ran)
+    state = decoder.states.acquire(1)
+    slots = state.capacity  # warm-up's widest step: the state's slots, past the capacity by a step's rows
+    decoder.states.release(state)
+    plan = dict(loop.steps_to_prepare(decoder, tables, 1, slots, whole=False))
+    assert one_row <= set(plan[False]) and {w for tree, w in ran if tree} <= set(plan[True])
+    assert loop.window_widths(decoder, tables, slots, whole=True) == [slots]
+    # A decoder that stops well before the window prepares the tree alone.
+    short = Decoder(model, random_prompt_tokens(model, 3, 1, seed=5), random_tree_set(seed=9, size=12),
+                    max_seq_len=600 - tables.max_offset - tables.most_emitted - 1)
+    assert [tree for tree, _ in loop.steps_to_prepare(short, short.tables, 1, short.capacity, whole=False)] == [True]
 
 
 def test_policy_widths_round_trip_and_are_checked(tmp_path):

@@ -104,3 +104,18 @@ def test_an_end_to_end_run_on_the_cpu(tmp_path, capsys):
     assert long_context.table(result) in table
     if plotting:
         assert picture.stat().st_size > 1000
+
+
+def test_samples_time_different_prompts_one_after_another_and_sum_them(tmp_path):
+    """``--samples 2`` at batch 1: two different prompts, each decoded whole; the row's tokens, passes and
+    speed are their sums, each sample's own figures kept beside them."""
+    output = tmp_path / "long.json"
+    assert long_context.main(["--contexts", "384", "--batch_sizes", "1", "--max_new_tokens", "8", "--samples", "2",
+                              "--methods", "ppd", "baseline", *CPU, "--output", str(output)]) == 0
+    for row in json.loads(output.read_text())["rows"]:
+        assert row["samples"] == 2 and len(row["per_sample"]) == 2 and row["identical_to_reference"] == 1.0
+        assert row["new_tokens"] == sum(s["new_tokens"] for s in row["per_sample"])
+        assert row["pass_ms"]["count"] == row["steps"]  # every pass of both generations
+        assert row["accept_length"] == pytest.approx(row["new_tokens"] / row["steps"])
+        assert all(s["decode_tokens_per_s"] > 0 for s in row["per_sample"])
+        assert row["prompt_tokens_min"] <= row["prompt_tokens_max"]

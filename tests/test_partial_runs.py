@@ -184,9 +184,9 @@ def test_a_cut_off_long_context_run_is_finished_by_the_same_command(tmp_path, mo
     measured = []
     measure = long_context.measure
 
-    def counted(loaded, method, inputs, args, **kwargs):
-        measured.append((len(inputs), method))
-        return measure(loaded, method, inputs, args, **kwargs)
+    def counted(loaded, method, batches, args, **kwargs):
+        measured.append((len(batches[0]), method))
+        return measure(loaded, method, batches, args, **kwargs)
 
     monkeypatch.setattr(long_context, "measure", counted)
     assert long_context.main(argv) == 0

@@ -48,7 +48,8 @@ def _case_kernel():
             scale = dim ** -0.5
             want = _reference(q, k, v, mask, scale)
             tolerance = 1e-5 if dtype == torch.float32 else 2e-3
-            for tuning in (None, SplitTuning(block_n=32, min_piece=64), SplitTuning(block_n=128, warps=8, stages=3)):
+            for tuning in (None, SplitTuning(block_n=32, min_piece=64, block_m=16),
+                           SplitTuning(block_n=128, block_m=128, warps=8, stages=3)):
                 got = split_attention(q, k, v, mask, scale, pieces, tuning=tuning)
                 # laid out as [B, T, Hq, D], the layout the output projection reads
                 assert got.shape == q.shape and got.dtype == dtype and got.transpose(1, 2).is_contiguous()
@@ -83,7 +84,8 @@ def test_tuning_is_parsed_from_its_text_and_bad_fields_are_named():
     assert SplitTuning.parse("") == SplitTuning()
     assert SplitTuning.parse(" warps = 8 ,") == SplitTuning(warps=8)
     # names and values it cannot take, and launch options Triton's kernel cannot run with
-    for bad in ("blocks=3", "block_n=0", "warps=two", "stages", "block_n=48", "block_n=8", "warps=3", "stages=0"):
+    for bad in ("blocks=3", "block_n=0", "warps=two", "stages", "block_n=48", "block_n=8", "warps=3", "stages=0",
+                "block_m=8", "block_m=96"):
         with pytest.raises(ValueError, match="PPD_SPLIT_TUNING"):
             SplitTuning.parse(bad)
 
@@ -92,7 +94,7 @@ def test_a_split_mask_other_than_width_or_tree_is_refused(monkeypatch):
     from ppd.decoding import grouped_attention
 
     monkeypatch.delenv("PPD_SPLIT_MASK", raising=False)
-    assert grouped_attention.split_mask() == "width"
+    assert grouped_attention.split_mask() == "tree"
     monkeypatch.setenv("PPD_GROUPED_SDPA", "split")
     monkeypatch.setenv("PPD_SPLIT_MASK", "compact")
     with pytest.raises(ValueError, match="PPD_SPLIT_MASK must be one of width, tree"):
@@ -248,16 +250,16 @@ def test_a_dense_tree_step_through_it_gives_the_same_logits():
 
 def test_decoding_through_it_equals_greedy_generate():
     """PPD through the split kernel, prompts of 600, 170 and 3 tokens in one batch: transformers' greedy tokens,
-    in fewer steps than the baseline; with ``PPD_SPLIT_MASK=tree`` a Llama's tree steps hand the kernel the tree's
-    own mask and the lengths, a Mistral's with a sliding window the mask over the whole width, as a Llama's do by
-    default."""
+    in fewer steps than the baseline; a Llama's tree steps hand the kernel the tree's own mask and the lengths
+    (the default), a Mistral's with a sliding window the mask over the whole width, as a Llama's do with
+    ``PPD_SPLIT_MASK=width``."""
     _in_interpreter("_case_decoding")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernel runs on a CUDA GPU")
 @pytest.mark.parametrize("capture", ["eager", "compiled_graph"])
-@pytest.mark.parametrize("mask", ["width", "tree"])
-def test_on_a_gpu_it_equals_sdpa_and_the_captured_step_equals_the_eager_one(capture, mask, monkeypatch):
+@pytest.mark.parametrize("split_mask", ["width", "tree"])
+def test_on_a_gpu_it_equals_sdpa_and_the_captured_step_equals_the_eager_one(capture, split_mask, monkeypatch):
     """bfloat16 against SDPA; the compiled and captured step through it, with either mask, gives the eager step's
     tokens and transformers' greedy ones, 2,000-token prompts among them."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -276,7 +278,7 @@ def test_on_a_gpu_it_equals_sdpa_and_the_captured_step_equals_the_eager_one(capt
                                rtol=2e-2, atol=2e-2)
 
     monkeypatch.setenv("PPD_GROUPED_SDPA", "split")
-    monkeypatch.setenv("PPD_SPLIT_MASK", mask)
+    monkeypatch.setenv("PPD_SPLIT_MASK", split_mask)
     torch.manual_seed(13)
     config = LlamaConfig(vocab_size=256, hidden_size=192, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=4096)

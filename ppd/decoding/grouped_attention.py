@@ -25,10 +25,9 @@ step took 2.4 ms at 1K context and 5.5 ms at 8K at batch 1 (14 ms at batch 16), 
 at both (2.6 ms at batch 16; `results/deep_gpu/h200/v7/long_context_dense.json`), as if the attention kernel
 walked the whole cache in one block per head and row tile; a matrix product spreads over the cache's width
 instead. ``PPD_GROUPED_SDPA=split`` (opt-in) runs a tree step's attention through ppd's Triton kernel over pieces
-of the cache (:mod:`ppd.decoding.split_attention`): at 8K a 128-row tree then decoded at 1.56x the baseline at
-batch 1 on an H200 (`results/deep_gpu/h200/v14/`, ``PPD_SPLIT_TUNING=per_processor=4,min_piece=128``); one row
-keeps SDPA. ``PPD_SPLIT_MASK=tree`` hands it the
-tree's own mask and the rows' lengths instead of a mask over the whole width (:func:`split_mask`). Anything this
+of the cache (:mod:`ppd.decoding.split_attention`), handing it the tree's own mask and the rows' lengths where no
+layer has a sliding window (``PPD_SPLIT_MASK=width``: a mask over the whole width; :func:`split_mask`); one row
+keeps SDPA. Anything this
 function does not handle itself (no mask, attention dropout, soft-capping, attention sinks, equal head counts) goes
 to transformers' own SDPA function unchanged.
 """
@@ -180,11 +179,11 @@ def active(model_config):
 
 
 def split_mask() -> str:
-    """``PPD_SPLIT_MASK``: what mask a tree step hands the split kernel, ``width`` (the default: ``[B, 1, T, W]``
-    over the cache's whole width) or ``tree`` (the tree's own ``[B, 1, T, T]`` with the rows' lengths, O(T^2 B)
-    memory; on an H200 at 8K its steps took 3.1 ms end to end against 2.6 ms with the width's mask, for a reason
-    not yet found, though the kernel alone was faster with it: see the README's "GPU: long context")."""
-    found = os.environ.get("PPD_SPLIT_MASK", "width")
+    """``PPD_SPLIT_MASK``: what mask a tree step hands the split kernel, ``tree`` (the default: the tree's own
+    ``[B, 1, T, T]`` with the rows' lengths, O(T^2 B) memory) or ``width`` (``[B, 1, T, W]`` over the cache's whole
+    width). On an H200 at 8K context a 128-row tree step took 2.30 ms with the tree's own mask against 2.44 ms
+    with the width's (median passes, `results/deep_gpu/h200/v15/`)."""
+    found = os.environ.get("PPD_SPLIT_MASK", "tree")
     if found not in SPLIT_MASKS:
         raise ValueError(f"PPD_SPLIT_MASK must be one of {', '.join(SPLIT_MASKS)}, got {found!r}")
     return found
@@ -193,8 +192,8 @@ def split_mask() -> str:
 def compact_tree_mask(windows, device: torch.device) -> bool:
     """Whether a dense tree step of a model this module :func:`applies` to hands the split kernel its tree's own
     mask and its rows' lengths (:data:`LENGTHS_KEYWORD`) instead of a mask over the cache's whole width:
-    ``PPD_GROUPED_SDPA=split`` with ``PPD_SPLIT_MASK=tree``, no layer has a sliding window, and the kernel runs on
-    ``device``."""
+    ``PPD_GROUPED_SDPA=split`` with ``PPD_SPLIT_MASK=tree`` (the default), no layer has a sliding window, and the
+    kernel runs on ``device``."""
     return (mode() == "split" and split_mask() == "tree" and all(w is None for w in windows)
             and split_attention.runs_on_device(torch.device(device)))
 

@@ -103,7 +103,8 @@ def steps_to_prepare(decoder: "Decoder", tables: TreeTables | None, bucket: int,
                      one_row: bool = False) -> list[tuple[bool, list[int]]]:
     """(tree step or not, widths) of every step a bucket's decoding reaches up to ``capacity`` slots: the tree
     step of ``tables`` up to the batch policy's widest attention for the bucket, and the one-row step where
-    there is no tree, past that width, or where ``one_row`` asks for it (the baseline)."""
+    there is no tree, past that width, where ``one_row`` asks for it (the baseline), or near the end of the
+    model's context window (:func:`window_widths`)."""
     limit = decoder.max_tree_width(bucket) if tables is not None else None
     limited = limit is not None and limit < capacity
     plan = []
@@ -114,7 +115,24 @@ def steps_to_prepare(decoder: "Decoder", tables: TreeTables | None, bucket: int,
         plan.append((True, widths if whole or not limited else [w for w in widths if w <= limit]))
     if one_row or tables is None or limited:
         plan.append((False, capture_widths(1, capacity, whole)))
+    else:
+        plan.append((False, window_widths(decoder, tables, capacity, whole)))
     return [(tree, widths) for tree, widths in plan if widths]
+
+
+def window_widths(decoder: "Decoder", tables: TreeTables, capacity: int, whole: bool) -> list[int]:
+    """The widths of the one-row steps that a decoding with ``tables`` runs near the end of the model's context
+    window, where the tree's positions would pass it (see :func:`queue_step`), up to ``capacity`` slots: none
+    where no row gets that far. (Captured lazily instead, the first of them held a timed 8K generation on an
+    H200 for 30-145 ms, and a fresh process would compile it there.)"""
+    window = decoder.max_positions - tables.max_offset  # a step reaching this length runs one row
+    # :func:`decode` reads the lengths one step behind, adding the most a queued step may commit.
+    if window - tables.most_emitted > capacity:
+        return []
+    if whole:
+        return [capacity]
+    first = attention_width(min(window + 1, capacity), capacity, exact=False)
+    return [w for w in capture_widths(1, capacity) if w >= first]
 
 
 def batch_bucket(size: int, exact: bool) -> int:

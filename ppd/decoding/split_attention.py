@@ -18,8 +18,9 @@ took 5.5 ms at 8K against 2.4 ms at 1K). This kernel gives the work the cache's 
 Scores, the softmax and the merge run in float32 (the weights are rounded to the values' dtype before their product
 with the values, as flash attention does; float32 inputs are multiplied in full precision, not TF32) and the mask is
 added to each score as the model's own SDPA adds it, so the result is SDPA's up to rounding. With
-``PPD_SPLIT_MASK=tree``, a tree step of a model without sliding windows hands the kernel its rows' cache lengths and
-the tree's own mask ``[B, 1, T, T]`` instead of the ``[B, 1, T, W]`` one (``LanguageModel.compact_mask``): every slot
+``PPD_SPLIT_MASK=tree`` (the default), a tree step of a model without sliding windows hands the kernel its rows'
+cache lengths and the tree's own mask ``[B, 1, T, T]`` instead of the ``[B, 1, T, W]`` one
+(``LanguageModel.compact_mask``): every slot
 below a row's length is seen (in a loop of its own, with no mask read), the tree's slots as its mask says, and the
 pieces stop reading at the tree's last slot, so the step's mask takes O(T^2 B) memory, not O(T W B), and the cache's
 unused tail is never read. How the cache is cut and walked (:class:`SplitTuning`) was chosen by
@@ -38,7 +39,6 @@ import os
 
 import torch
 
-BLOCK_M = 64  # folded query rows a program holds
 MERGE_ELEMENTS = 8192  # values a merging program holds, at most: its pieces x rows x head size (padded)
 HAS_TRITON = importlib.util.find_spec("triton") is not None  # it comes with PyTorch's CUDA builds
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter, on CPU tensors (the tests)
@@ -48,7 +48,8 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter,
 class SplitTuning:
     """How the kernel cuts and walks the cache. ``per_processor``: programs per GPU processor the piece count aims
     at; ``min_piece``: slots a piece holds at least (before the pieces are evened out); ``block_n``: slots a
-    program reads at a time; ``warps`` and ``stages``: Triton's launch options for the pieces' kernel.
+    program reads at a time; ``block_m``: folded query rows a program holds; ``warps`` and ``stages``: Triton's
+    launch options for the pieces' kernel.
     ``PPD_SPLIT_TUNING`` overrides fields by name, e.g. ``per_processor=4,block_n=32``."""
 
     # Fastest on average over five shapes with the tree's own mask on an H200
@@ -56,14 +57,15 @@ class SplitTuning:
     per_processor: int = 2
     min_piece: int = 256
     block_n: int = 64
+    block_m: int = 64
     warps: int = 4
     stages: int = 3
 
     def __post_init__(self):
-        for name in ("per_processor", "min_piece", "block_n", "warps", "stages"):
+        for name in ("per_processor", "min_piece", "block_n", "block_m", "warps", "stages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"PPD_SPLIT_TUNING: {name} must be at least 1, got {getattr(self, name)}")
-        for name, least in (("block_n", 16), ("warps", 1)):  # a block of slots is a side of both products
+        for name, least in (("block_n", 16), ("block_m", 16), ("warps", 1)):  # blocks are sides of the products
             value = getattr(self, name)
             if value < least or value & (value - 1):
                 raise ValueError(f"PPD_SPLIT_TUNING: {name} must be a power of two of at least {least}, got {value}")
@@ -154,7 +156,7 @@ def split_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             raise ValueError(f"split attention needs the {name}'s last dimension contiguous")
     tuning = TUNING if tuning is None else tuning
     return torch.ops.ppd.split_attention(query, key, value, mask, lengths, float(scale), pieces, tuning.per_processor,
-                                         tuning.min_piece, tuning.block_n, tuning.warps, tuning.stages)
+                                         tuning.min_piece, tuning.block_n, tuning.block_m, tuning.warps, tuning.stages)
 
 
 def _result(query: torch.Tensor) -> torch.Tensor:
@@ -165,14 +167,16 @@ def _result(query: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("ppd::split_attention", mutates_args=(),
                          schema="(Tensor query, Tensor key, Tensor value, Tensor mask, Tensor? lengths, float scale, "
-                                "int pieces, int per_processor, int min_piece, int block_n, int warps, int stages) "
+                                "int pieces, int per_processor, int min_piece, int block_n, int block_m, int warps, "
+                                "int stages) "
                                 "-> Tensor")
-def _operator(query, key, value, mask, lengths, scale, pieces, per_processor, min_piece, block_n, warps, stages):
+def _operator(query, key, value, mask, lengths, scale, pieces, per_processor, min_piece, block_n, block_m, warps,
+              stages):
     batch, heads, rows, dim = query.shape
     key_heads, width = key.shape[1], key.shape[2]
     group = heads // key_heads
     folded = group * rows
-    tiles = -(-folded // BLOCK_M)
+    tiles = -(-folded // block_m)
     if pieces <= 0:
         processors = _processors(query.device.index or 0) if query.is_cuda else torch.get_num_threads()
         pieces = piece_count(batch * key_heads * tiles, width, processors, per_processor, min_piece)
@@ -193,7 +197,7 @@ def _operator(query, key, value, mask, lengths, scale, pieces, per_processor, mi
         out.stride(0), out.stride(1), out.stride(2), out.stride(3), lse.stride(0), lse.stride(1), lse.stride(2),
         result.stride(0), result.stride(1), result.stride(2),
         rows, folded, width, piece, scale,
-        GROUP=group, KEY_HEADS=key_heads, HEAD_DIM=dim, BLOCK_D=block_d, BM=BLOCK_M, BN=block_n, TREE=tree,
+        GROUP=group, KEY_HEADS=key_heads, HEAD_DIM=dim, BLOCK_D=block_d, BM=block_m, BN=block_n, TREE=tree,
         WHOLE=whole, PRECISION="ieee" if query.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
     if not whole:
         spread = max(2, 1 << (pieces - 1).bit_length())  # the pieces, rounded up to a power of two
@@ -208,9 +212,9 @@ def _operator(query, key, value, mask, lengths, scale, pieces, per_processor, mi
 
 
 @_operator.register_fake
-def _(query, key, value, mask, lengths, scale, pieces, per_processor, min_piece, block_n, warps, stages):
+def _(query, key, value, mask, lengths, scale, pieces, per_processor, min_piece, block_n, block_m, warps, stages):
     return _result(query)
 
 
-__all__ = ["BLOCK_M", "HAS_TRITON", "INTERPRETED", "MERGE_ELEMENTS", "SplitTuning", "TUNING", "piece_count", "runs_on",
+__all__ = ["HAS_TRITON", "INTERPRETED", "MERGE_ELEMENTS", "SplitTuning", "TUNING", "piece_count", "runs_on",
            "runs_on_device", "split_attention"]

@@ -43,6 +43,12 @@ class TreeTables:
     node_prompt_count: torch.Tensor  # long [N+1, 1+C]: prompt tokens attached to each node (the next key)
     max_offset: int  # largest position offset of any row of any tree
 
+    @property
+    def most_emitted(self) -> int:
+        """The most tokens one step emits for a row, as its report's columns count them: a path is at most N deep
+        (padded to at least MIN_SIZE), then the root."""
+        return max(self.num_prompt_tokens, MIN_SIZE) + 1
+
     @classmethod
     def build(cls, trees: TreeSet, num_ensemble: int, attention_type: AttentionType | str,
               device: torch.device | str = "cpu", top_k: int | None = None) -> "TreeTables":

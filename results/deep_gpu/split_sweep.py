@@ -83,14 +83,16 @@ def check(inputs) -> tuple[float, float]:
 def grid() -> list[SplitTuning]:
     # The eighteenth session's first sweep (one loop for the prefix and the tree) over per_processor 1-8, min_piece
     # 128-256, block_n 32-128, warps 4-8 and stages 1-3 found block_n 64, 4 warps and 3 stages fastest at every
-    # shape (h200/v14/split_sweep_first.json).
-    return [SplitTuning(per_processor=p, min_piece=m, block_n=64, warps=4, stages=s)
-            for p, m, s in itertools.product((2, 4, 8), (128, 256), (2, 3))]
+    # shape (h200/v14/split_sweep_first.json), its second 3 stages over 2 (h200/v14b/split_sweep.json); this one
+    # sweeps the folded rows a program holds.
+    return [SplitTuning(per_processor=p, min_piece=m, block_n=64, block_m=bm, warps=w, stages=3)
+            for p, m, (bm, w) in itertools.product((2, 4), (128, 256), ((32, 4), (64, 4), (128, 4), (128, 8)))]
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--ways", nargs="+", default=list(WAYS), choices=WAYS, help="ways of masking to time")
     parser.add_argument("--output", default=None, help="JSON file of every time")
     parser.add_argument("--best", default=None, help="text file the best tuning's PPD_SPLIT_TUNING is written to")
     args = parser.parse_args(argv)
@@ -103,7 +105,7 @@ def main(argv=None) -> int:
         print(f"batch {batch} rows {rows} context {context}: largest difference from SDPA "
               "(tree's mask, width's mask) %.4f, %.4f" % check(inputs), flush=True)
         shape = times.setdefault((batch, rows, context), {})
-        for way in WAYS:
+        for way in args.ways:
             row = shape.setdefault(way, {})
             for tuning in tunings:
                 try:
@@ -124,7 +126,7 @@ def main(argv=None) -> int:
           f"{score.get(SplitTuning().text(), float('nan')):.3f})")
     for (batch, rows, context), shape in times.items():
         print(f"  batch {batch:2d} rows {rows:3d} context {context:5d}: best-on-average tree's mask "
-              f"{shape['tree'][best]:7.1f} us, width's mask {shape['width'].get(best, float('nan')):7.1f} us")
+              f"{shape['tree'][best]:7.1f} us, width's mask {shape.get('width', {}).get(best, float('nan')):7.1f} us")
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": LAYERS,
