@@ -28,6 +28,9 @@ is recorded with its error and the run goes on. Writes JSON, a markdown table an
 speed-up over the baseline by context length (one line per batch size and PPD variant). Each context and batch
 size is written to ``--output`` once all its methods are measured; the same command run again after a cut-off
 run measures only what is missing (a cut-off file of other settings is refused: one line, exit status 2).
+``--samples N`` times N batches of different prompts one after another (after one warm-up) and sums their tokens
+and times, each one's own figures kept in the row's ``per_sample``: one prompt's accept length is a noisy figure
+at batch 1.
 """
 
 from __future__ import annotations

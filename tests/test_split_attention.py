@@ -90,6 +90,17 @@ def test_tuning_is_parsed_from_its_text_and_bad_fields_are_named():
             SplitTuning.parse(bad)
 
 
+def test_pieces_fill_whole_waves_of_programs():
+    """At most ``per_processor`` programs a processor (never a few past a wave), at least one piece, and no piece
+    shorter than ``min_piece`` where the width is what limits them."""
+    from ppd.decoding.split_attention import piece_count
+
+    assert piece_count(21, 8448, 132, 2, 256) == 12  # 252 programs of 264, where 13 would make 273
+    assert piece_count(48, 8448, 132, 2, 256) == 5  # batch 16: 240, not 288
+    assert piece_count(3, 8448, 132, 2, 256) == 33  # the width's limit: 8448 / 256
+    assert piece_count(1000, 8448, 132, 2, 256) == 1 and piece_count(21, 100, 132, 2, 256) == 1
+
+
 def test_a_split_mask_other_than_width_or_tree_is_refused(monkeypatch):
     from ppd.decoding import grouped_attention
 

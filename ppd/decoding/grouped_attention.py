@@ -27,9 +27,8 @@ walked the whole cache in one block per head and row tile; a matrix product spre
 instead. ``PPD_GROUPED_SDPA=split`` (opt-in) runs a tree step's attention through ppd's Triton kernel over pieces
 of the cache (:mod:`ppd.decoding.split_attention`), handing it the tree's own mask and the rows' lengths where no
 layer has a sliding window (``PPD_SPLIT_MASK=width``: a mask over the whole width; :func:`split_mask`); one row
-keeps SDPA. Anything this
-function does not handle itself (no mask, attention dropout, soft-capping, attention sinks, equal head counts) goes
-to transformers' own SDPA function unchanged.
+keeps SDPA. Anything this function does not handle itself (no mask, attention dropout, soft-capping, attention
+sinks, equal head counts) goes to transformers' own SDPA function unchanged.
 """
 
 from __future__ import annotations

@@ -20,13 +20,12 @@ with the values, as flash attention does; float32 inputs are multiplied in full 
 added to each score as the model's own SDPA adds it, so the result is SDPA's up to rounding. With
 ``PPD_SPLIT_MASK=tree`` (the default), a tree step of a model without sliding windows hands the kernel its rows'
 cache lengths and the tree's own mask ``[B, 1, T, T]`` instead of the ``[B, 1, T, W]`` one
-(``LanguageModel.compact_mask``): every slot
-below a row's length is seen (in a loop of its own, with no mask read), the tree's slots as its mask says, and the
-pieces stop reading at the tree's last slot, so the step's mask takes O(T^2 B) memory, not O(T W B), and the cache's
-unused tail is never read. How the cache is cut and walked (:class:`SplitTuning`) was chosen by
-``results/deep_gpu/split_sweep.py``. Written in Triton; on a CPU the same kernel runs through
-Triton's interpreter (for the tests only: it is slow). ``PPD_GROUPED_SDPA=split`` selects it for dense tree steps
-(:mod:`ppd.decoding.grouped_attention`).
+(``LanguageModel.compact_mask``): every slot below a row's length is seen (in a loop of its own, with no mask read),
+the tree's slots as its mask says, and the pieces stop reading at the tree's last slot, so the step's mask takes
+O(T^2 B) memory, not O(T W B), and the cache's unused tail is never read. How the cache is cut and walked
+(:class:`SplitTuning`) was chosen by ``results/deep_gpu/split_sweep.py``. Written in Triton; on a CPU the same kernel
+runs through Triton's interpreter (for the tests only: it is slow). ``PPD_GROUPED_SDPA=split`` selects it for dense
+tree steps (:mod:`ppd.decoding.grouped_attention`).
 """
 
 from __future__ import annotations
@@ -52,8 +51,8 @@ class SplitTuning:
     launch options for the pieces' kernel.
     ``PPD_SPLIT_TUNING`` overrides fields by name, e.g. ``per_processor=4,block_n=32``."""
 
-    # Fastest on average over five shapes with the tree's own mask on an H200
-    # (results/deep_gpu/h200/v14b/split_sweep.json; with the width's mask the sweep chose nothing)
+    # Fastest at each of five shapes with the tree's own mask on an H200 once the pieces fill whole waves
+    # (results/deep_gpu/h200/v15d/; block_m 32 and 128 were slower everywhere, v15b/)
     per_processor: int = 2
     min_piece: int = 256
     block_n: int = 64
@@ -123,10 +122,11 @@ def _round_up(n: int, unit: int) -> int:
 
 
 def piece_count(programs: int, width: int, processors: int, per_processor: int, min_piece: int) -> int:
-    """Pieces to cut ``width`` slots into so that ``programs`` tiles (batch rows x key heads x row tiles) become
-    about ``per_processor`` programs per processor, no more pieces than ``width / min_piece`` rounded up (the
-    pieces are then evened out, so one may hold fewer slots); the two as :class:`SplitTuning` names them."""
-    wanted = max(1, math.ceil(per_processor * processors / programs))
+    """Pieces to cut ``width`` slots into so that ``programs`` tiles (batch rows x key heads x row tiles) become at
+    most ``per_processor`` programs per processor (rounded down: on an H200 a few programs past a whole wave made
+    a batch-16 step's kernel 36% slower), no more pieces than ``width / min_piece`` rounded up (the pieces are then
+    evened out, so one may hold fewer slots); the two as :class:`SplitTuning` names them."""
+    wanted = max(1, per_processor * processors // programs)  # whole waves: a few programs more would start a wave
     return max(1, min(wanted, math.ceil(width / min_piece)))
 
 

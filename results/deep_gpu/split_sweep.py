@@ -83,8 +83,9 @@ def check(inputs) -> tuple[float, float]:
 def grid() -> list[SplitTuning]:
     # The eighteenth session's first sweep (one loop for the prefix and the tree) over per_processor 1-8, min_piece
     # 128-256, block_n 32-128, warps 4-8 and stages 1-3 found block_n 64, 4 warps and 3 stages fastest at every
-    # shape (h200/v14/split_sweep_first.json), its second 3 stages over 2 (h200/v14b/split_sweep.json); this one
-    # sweeps the folded rows a program holds.
+    # shape (h200/v14/split_sweep_first.json), its second 3 stages over 2 (h200/v14b/split_sweep.json); the
+    # nineteenth session's, this grid, 64 folded rows a program over 32 and 128 at every shape
+    # (h200/v15b/split_sweep_block_m.json).
     return [SplitTuning(per_processor=p, min_piece=m, block_n=64, block_m=bm, warps=w, stages=3)
             for p, m, (bm, w) in itertools.product((2, 4), (128, 256), ((32, 4), (64, 4), (128, 4), (128, 8)))]
 
@@ -95,8 +96,11 @@ def main(argv=None) -> int:
     parser.add_argument("--ways", nargs="+", default=list(WAYS), choices=WAYS, help="ways of masking to time")
     parser.add_argument("--output", default=None, help="JSON file of every time")
     parser.add_argument("--best", default=None, help="text file the best tuning's PPD_SPLIT_TUNING is written to")
+    parser.add_argument("--tunings", nargs="+", default=None,
+                        help="PPD_SPLIT_TUNING texts to time instead of the grid (the default tuning is always timed)")
     args = parser.parse_args(argv)
-    tunings = grid()
+    tunings = grid() if args.tunings is None else [SplitTuning.parse(text) for text in args.tunings]
+    tunings += [SplitTuning()] if SplitTuning() not in tunings else []
     times: dict[tuple, dict[str, dict[str, float]]] = {}
     one_row = {}
     for batch, rows, context in SHAPES:
