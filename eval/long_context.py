@@ -241,6 +241,7 @@ def measure(loaded, method: str, batches: list[list[list[int]]], args: argparse.
     batch = len(batches[0])
     warmup_s = None
     passes: list[float] = []  # the milliseconds of each pass of the timed generations
+    warm = None  # what runs untimed before each sample's timed generation
     if method in ENGINE_METHODS:
         def generate(prompts, max_new_tokens, timed=False):
             outs = decoder.generate(prompts, DecodeConfig(method=method, max_new_tokens=max_new_tokens,
@@ -256,20 +257,25 @@ def measure(loaded, method: str, batches: list[list[list[int]]], args: argparse.
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
         def generate(prompts, max_new_tokens, timed=False):
-            if timed and device.type == "cuda":  # transformers compiles on a GPU only, once per padded length
-                for _ in range(2):
-                    hf_static_generate(loaded.model, prompts, max_new_tokens, decoder.eos_token_ids, pad)
             tokens, wall = hf_static_generate(loaded.model, prompts, max_new_tokens, decoder.eos_token_ids, pad)
             return tokens, wall, None, None
 
+        def warm(prompts):  # transformers compiles on a GPU only, once per padded length: each sample's twice
+            for _ in range(2 if device.type == "cuda" else 0):
+                generate(prompts, args.max_new_tokens)
+
         if device.type != "cuda":
             generate(batches[0], args.max_new_tokens)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     captured = {id(c) for c in decoder.captures}
-    tokens, wall, steps, prefill_s, per_sample = [], 0.0, [], 0.0, []
+    tokens, wall, steps, prefill_s, per_sample, peak = [], 0.0, [], 0.0, [], None
     for prompts in batches:
+        if warm is not None:
+            warm(prompts)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         here, seconds, counts, prefill = generate(prompts, args.max_new_tokens, timed=True)
+        if device.type == "cuda":
+            peak = max(peak or 0, torch.cuda.max_memory_allocated(device))
         if prefill is None:  # generate gives no time of its prefill: a one-token generation of the batch's
             _, prefill, _, _ = generate(prompts, 1)
         tokens += here
@@ -277,12 +283,11 @@ def measure(loaded, method: str, batches: list[list[list[int]]], args: argparse.
         prefill_s += prefill
         steps += counts or []
         new = sum(map(len, here))
-        per_sample.append({"new_tokens": new, "accept_length": new / sum(counts) if counts else None,
+        per_sample.append({"new_tokens": new, "accept_length": new / sum(counts) if counts and sum(counts) else None,
                            "decode_tokens_per_s": _rate(new - batch, seconds - prefill)})
     # Graphs captured inside the timed generations (the warm-up should leave none): their seconds are in their time.
     late = [{"tree": c.kind.tree, "width": c.width, "seconds": c.seconds} for c in decoder.captures
             if id(c) not in captured]
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     new_tokens = sum(len(t) for t in tokens)
     return {"samples": len(batches), "new_tokens": new_tokens, "steps": sum(steps) if steps else None,
             "max_steps": max(steps) if steps else None,
@@ -347,6 +352,8 @@ def run(args: argparse.Namespace) -> tuple[dict, PartialRun]:
     """Every context and batch size's rows (those a cut-off run of the same settings left in ``--output`` are
     not measured again), and the record that writes them."""
     check_contexts(args.contexts, args.max_new_tokens)
+    if args.samples < 1:
+        raise ContextError(f"--samples must be at least 1, got {args.samples}")
     loaded = load_decoder_or_exit(args, with_prompt_tokens="ppd" in args.methods or bool(args.trees))
     decoder = loaded.decoder
     # Each method on the loaded decoder, then each --trees file on a decoder of its own.

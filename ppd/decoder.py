@@ -291,8 +291,8 @@ class Decoder:
                max_width: int | None = None) -> float:
         """Compile and capture ahead of time the steps that these batch sizes and methods run (the tree step
         for ``ppd`` up to the batch policy's widest attention for it and the one-row step past that, the one-row
-        step for ``baseline``; PPD also falls back to the one-row step at the end of the context window, which
-        captures it then), at every attention width up to ``max_width``
+        step for ``baseline``, and for ``ppd`` the one-row step it falls back to at the end of the model's context
+        window, where a decoding can get there), at every attention width up to ``max_width``
         (default: the whole cache), for requests sampled as ``sampling`` says (default: greedy). Returns the
         seconds it took; :attr:`captures` has each graph's share.
         In eager mode there is nothing to prepare."""

@@ -288,6 +288,7 @@ def test_warm_up_plans_the_one_row_steps_at_the_end_of_the_context_window(monkey
 
     monkeypatch.setattr(graphs.StepRunner, "run", spy)
     monkeypatch.setattr(loop, "captures_graphs", lambda mode: True)  # widths padded as where graphs replay
+    monkeypatch.setenv("PPD_RUN_AHEAD", "1")  # lengths read a step behind, as on a GPU
     rng = random.Random(5)
     prompt = [rng.randrange(1, 24) for _ in range(520)]
     out = decoder.generate(prompt, DecodeConfig(max_new_tokens=200, stop_on_eos=False, capture="eager"))
@@ -300,10 +301,14 @@ def test_warm_up_plans_the_one_row_steps_at_the_end_of_the_context_window(monkey
     plan = dict(loop.steps_to_prepare(decoder, tables, 1, slots, whole=False))
     assert one_row <= set(plan[False]) and {w for tree, w in ran if tree} <= set(plan[True])
     assert loop.window_widths(decoder, tables, slots, whole=True) == [slots]
-    # A decoder that stops well before the window prepares the tree alone.
+    # A decoder that stops well before the window (its rows' lengths, read a step late, never reach it) prepares the
+    # tree alone, over all of its state's slots.
     short = Decoder(model, random_prompt_tokens(model, 3, 1, seed=5), random_tree_set(seed=9, size=12),
-                    max_seq_len=600 - tables.max_offset - tables.most_emitted - 1)
-    assert [tree for tree, _ in loop.steps_to_prepare(short, short.tables, 1, short.capacity, whole=False)] == [True]
+                    max_seq_len=600 - tables.max_offset - 2 * tables.most_emitted - 1)
+    state = short.states.acquire(1)
+    slots = state.capacity
+    short.states.release(state)
+    assert [tree for tree, _ in loop.steps_to_prepare(short, short.tables, 1, slots, whole=False)] == [True]
 
 
 def test_policy_widths_round_trip_and_are_checked(tmp_path):

@@ -106,16 +106,27 @@ def test_an_end_to_end_run_on_the_cpu(tmp_path, capsys):
         assert picture.stat().st_size > 1000
 
 
-def test_samples_time_different_prompts_one_after_another_and_sum_them(tmp_path):
+def test_samples_time_different_prompts_one_after_another_and_sum_them(tmp_path, monkeypatch, capsys):
     """``--samples 2`` at batch 1: two different prompts, each decoded whole; the row's tokens, passes and
-    speed are their sums, each sample's own figures kept beside them."""
+    speed are their sums, each sample's own figures kept beside them. ``--samples 0`` is refused."""
     output = tmp_path / "long.json"
+    given = []
+    measure = long_context.measure
+
+    def spy(loaded, method, batches, args, **kwargs):
+        given.append(batches)
+        return measure(loaded, method, batches, args, **kwargs)
+
+    monkeypatch.setattr(long_context, "measure", spy)
     assert long_context.main(["--contexts", "384", "--batch_sizes", "1", "--max_new_tokens", "8", "--samples", "2",
                               "--methods", "ppd", "baseline", *CPU, "--output", str(output)]) == 0
+    assert len(given) == 2 and given[0] == given[1]  # both methods decode the same two batches ...
+    assert len(given[0]) == 2 and len(given[0][0]) == 1 and given[0][0] != given[0][1]  # ... of different prompts
     for row in json.loads(output.read_text())["rows"]:
         assert row["samples"] == 2 and len(row["per_sample"]) == 2 and row["identical_to_reference"] == 1.0
         assert row["new_tokens"] == sum(s["new_tokens"] for s in row["per_sample"])
         assert row["pass_ms"]["count"] == row["steps"]  # every pass of both generations
         assert row["accept_length"] == pytest.approx(row["new_tokens"] / row["steps"])
         assert all(s["decode_tokens_per_s"] > 0 for s in row["per_sample"])
-        assert row["prompt_tokens_min"] <= row["prompt_tokens_max"]
+    assert long_context.main(["--contexts", "384", "--samples", "0", *CPU]) == 2
+    assert "--samples must be at least 1, got 0" in capsys.readouterr().err

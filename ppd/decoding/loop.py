@@ -126,9 +126,12 @@ def window_widths(decoder: "Decoder", tables: TreeTables, capacity: int, whole: 
     where no row gets that far. (Captured lazily instead, the first of them held a timed 8K generation on an
     H200 for 30-145 ms, and a fresh process would compile it there.)"""
     window = decoder.max_positions - tables.max_offset  # a step reaching this length runs one row
-    # :func:`decode` reads the lengths one step behind, adding the most a queued step may commit.
-    if window - tables.most_emitted > capacity:
+    # The longest row a step is chosen for: a row stopped at the capacity may have committed a step's tokens past
+    # it, and :func:`decode` reads the lengths one step behind, adding the most a queued step may commit.
+    if window > decoder.capacity + 2 * tables.most_emitted:
         return []
+    if capacity < decoder.capacity and window + 1 > capacity:
+        return []  # the plan stops short of the one-row steps (warm-up's ``max_width``)
     if whole:
         return [capacity]
     first = attention_width(min(window + 1, capacity), capacity, exact=False)

@@ -8,7 +8,7 @@ captured in one CUDA graph and replayed; beside them SDPA with ``enable_gqa`` fo
 the same context. The ways of masking: ``tree``, the tree's own mask ``[B, 1, T, T]`` and the rows' lengths (a
 tree step of a model without sliding windows), and ``width``, a mask over the whole width ``[B, 1, T, W]``.
 Writes every time as JSON, prints the fastest tunings, and writes the tuning that is fastest on average over the
-shapes with the tree's mask (each shape's time against that shape's best) as the ``PPD_SPLIT_TUNING`` text to
+shapes with the tree's mask (or the only way timed) (each shape's time against that shape's best) as the ``PPD_SPLIT_TUNING`` text to
 ``--best``.
 
     PYTHONPATH=. python results/deep_gpu/split_sweep.py --output sweep.json --best best_tuning.txt
@@ -122,15 +122,16 @@ def main(argv=None) -> int:
             print(f"batch {batch:2d} rows {rows:3d} context {context:5d} {way:5s} mask: one row "
                   f"{one_row[(batch, context)]:7.1f} us, default {default:7.1f} us, fastest "
                   + "; ".join(f"{t} {us:.1f}" for t, us in fastest), flush=True)
-    trees = [shape["tree"] for shape in times.values()]
-    common = set.intersection(*(set(row) for row in trees))
-    score = {t: sum(row[t] / min(row.values()) for row in trees) / len(trees) for t in common}
+    scored = "tree" if "tree" in args.ways else args.ways[0]  # the way the best tuning is picked for
+    rows_of = [shape[scored] for shape in times.values()]
+    common = set.intersection(*(set(row) for row in rows_of))
+    score = {t: sum(row[t] / min(row.values()) for row in rows_of) / len(rows_of) for t in common}
     best = min(score, key=score.get)
-    print(f"best on average with the tree's mask: {best} ({score[best]:.3f} of each shape's fastest; default "
+    print(f"best on average with the {scored}'s mask: {best} ({score[best]:.3f} of each shape's fastest; default "
           f"{score.get(SplitTuning().text(), float('nan')):.3f})")
     for (batch, rows, context), shape in times.items():
-        print(f"  batch {batch:2d} rows {rows:3d} context {context:5d}: best-on-average tree's mask "
-              f"{shape['tree'][best]:7.1f} us, width's mask {shape.get('width', {}).get(best, float('nan')):7.1f} us")
+        print(f"  batch {batch:2d} rows {rows:3d} context {context:5d}: best-on-average "
+              + ", ".join(f"{way}'s mask {shape[way].get(best, float('nan')):7.1f} us" for way in args.ways))
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": LAYERS,
