@@ -90,6 +90,9 @@ def test_an_end_to_end_run_on_the_cpu(tmp_path, capsys):
         else:  # one gap per pass of the batch, from the prefill's read-back on
             gaps = row["pass_ms"]
             assert gaps["count"] == row["max_steps"] and 0 < gaps["median"] <= gaps["max"]
+            # the passes after the prefill's read-back, within the decoding's time
+            assert 0 < gaps["mean"] <= gaps["max"]
+            assert gaps["mean"] * gaps["count"] <= (row["wall_time_s"] - row["prefill_s"]) * 1e3 * 1.001
             assert row["captured_while_timed"] == []  # nothing is captured on a CPU
     assert rows[(2, "ppd")]["prompt_tokens_min"] < rows[(2, "ppd")]["prompt_tokens_max"]
     ppd = rows[(2, "ppd")]
