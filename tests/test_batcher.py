@@ -295,9 +295,7 @@ def test_warm_up_plans_the_one_row_steps_at_the_end_of_the_context_window(monkey
     assert len(out.token_ids) == 600 - 520
     one_row = {width for tree, width in ran if not tree}
     assert one_row and any(tree for tree, _ in ran)
-    state = decoder.states.acquire(1)
-    slots = state.capacity  # warm-up's widest step: the state's slots, past the capacity by a step's rows
-    decoder.states.release(state)
+    slots = _state_slots(decoder)
     plan = dict(loop.steps_to_prepare(decoder, tables, 1, slots, whole=False))
     assert one_row <= set(plan[False]) and {w for tree, w in ran if tree} <= set(plan[True])
     assert loop.window_widths(decoder, tables, slots, whole=True) == [slots]
@@ -305,10 +303,15 @@ def test_warm_up_plans_the_one_row_steps_at_the_end_of_the_context_window(monkey
     # tree alone, over all of its state's slots.
     short = Decoder(model, random_prompt_tokens(model, 3, 1, seed=5), random_tree_set(seed=9, size=12),
                     max_seq_len=600 - tables.max_offset - 2 * tables.most_emitted - 1)
-    state = short.states.acquire(1)
-    slots = state.capacity
-    short.states.release(state)
-    assert [tree for tree, _ in loop.steps_to_prepare(short, short.tables, 1, slots, whole=False)] == [True]
+    assert [tree for tree, _ in loop.steps_to_prepare(short, short.tables, 1, _state_slots(short), whole=False)] \
+        == [True]
+
+
+def _state_slots(decoder: Decoder) -> int:
+    """Warm-up's widest step: a state's slots, past the decoder's capacity by a step's rows."""
+    state = decoder.states.acquire(1)
+    decoder.states.release(state)
+    return state.capacity
 
 
 def test_policy_widths_round_trip_and_are_checked(tmp_path):

@@ -132,10 +132,8 @@ def window_widths(decoder: "Decoder", tables: TreeTables, capacity: int, whole: 
         return []
     if capacity < decoder.capacity and window + 1 > capacity:
         return []  # the plan stops short of the one-row steps (warm-up's ``max_width``)
-    if whole:
-        return [capacity]
     first = attention_width(min(window + 1, capacity), capacity, exact=False)
-    return [w for w in capture_widths(1, capacity) if w >= first]
+    return [w for w in capture_widths(1, capacity, whole) if w >= first]
 
 
 def batch_bucket(size: int, exact: bool) -> int:

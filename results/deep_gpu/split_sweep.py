@@ -8,8 +8,8 @@ captured in one CUDA graph and replayed; beside them SDPA with ``enable_gqa`` fo
 the same context. The ways of masking: ``tree``, the tree's own mask ``[B, 1, T, T]`` and the rows' lengths (a
 tree step of a model without sliding windows), and ``width``, a mask over the whole width ``[B, 1, T, W]``.
 Writes every time as JSON, prints the fastest tunings, and writes the tuning that is fastest on average over the
-shapes with the tree's mask (or the only way timed) (each shape's time against that shape's best) as the ``PPD_SPLIT_TUNING`` text to
-``--best``.
+shapes (each shape's time against that shape's best) with the tree's mask, or the only way timed, as the
+``PPD_SPLIT_TUNING`` text to ``--best``.
 
     PYTHONPATH=. python results/deep_gpu/split_sweep.py --output sweep.json --best best_tuning.txt
 """
