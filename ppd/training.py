@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from dataclasses import dataclass
 from enum import Enum
 
@@ -27,6 +28,9 @@ from .deep_prompts import LayerOffsets, add_to_output, decoder_layers, deep_weig
 from .losses import cross_entropy_loss, distillation_loss
 from .prefill import PrefillPlan, average_copies, plan_prefill, prefill_inputs
 from .prompt_tokens import TENSOR_NAME, PromptTokens
+from .two_pass import keep_parts, layer_parts, two_pass_logits
+
+logger = logging.getLogger(__name__)
 
 
 class Objective(str, Enum):
@@ -47,11 +51,15 @@ class Objective(str, Enum):
 
 def _compiled_while_training(compiled, eager, hooks: LayerOffsets | None, index: int, *args, **kwargs):
     """Decoder layer ``index``'s forward after ``PromptTokenModel.compile_base``: with gradients on, compiled
-    together with the deep prompt tokens' change to its output (their ``hooks`` then stand aside); else eager."""
-    if not torch.is_grad_enabled():
+    together with the deep prompt tokens' change to its output (their ``hooks`` then stand aside), and in the
+    first pass of a two-pass forward (``ppd.two_pass``) compiled too; else eager."""
+    parts = layer_parts(index, kwargs)
+    if not torch.is_grad_enabled() and not any(part.recording for part in parts.values()):
         return eager(*args, **kwargs)
     inputs = hooks.layer_inputs(index) if hooks is not None and hooks.rows is not None else None
-    return compiled(eager, inputs, *args, **kwargs)
+    output = compiled(eager, inputs, *args, **{**kwargs, **parts})
+    keep_parts(index, kwargs, parts)
+    return output
 
 
 def _layer_and_offsets(forward, inputs: tuple | None, *args, **kwargs):
@@ -79,6 +87,10 @@ class PromptTokenModel(nn.Module):
         self.width_multiple = 128 if next(base_model.parameters()).device.type == "cuda" else 1
         self.plan_free_attention = False  # True: attention only by kernels without per-shape plans (not cuDNN)
         self.compiled = False  # see compile_base
+        # The forward in two passes (``ppd.two_pass``: the real tokens without gradients, then the prompt rows);
+        # False: one pass over both. Models whose pieces ppd cannot run apart fall back to one pass.
+        self.two_pass = True
+        self._pieces = None  # the base model's pieces for two passes (``LanguageModel``), made on first use
 
     def compile_base(self, backend: str | None = None, mode: str | None = None) -> None:
         """Run the frozen base model's decoder layers compiled from now on whenever gradients are on (training
@@ -137,18 +149,43 @@ class PromptTokenModel(nn.Module):
         ``tensors``: stand-ins for the prompt tokens' tensors (by ``PromptTokens.tensors`` names) to read instead."""
         config = self.prompt_tokens.config
         table = self.prompt_tokens() if tensors is None else tensors[TENSOR_NAME]
-        inputs = prefill_inputs(self.base_model, plan, table, config.num_prompt_tokens, config.num_ensemble,
-                                config.attention_type)
-        if self.layer_offsets is not None:
-            # (cast to the forward's dtype once, not in every layer's hook)
-            self.layer_offsets.set(inputs.prompt_rows, deep_weights(self.prompt_tokens, inputs.embeds.dtype,
-                                                                    tensors=tensors))
+        pieces = self.pieces() if self.two_pass else None
         with plan_free_sdpa() if self.plan_free_attention else contextlib.nullcontext():
-            out = self.base_model(inputs_embeds=inputs.embeds, attention_mask=inputs.mask,
-                                  position_ids=inputs.positions, use_cache=False, logits_to_keep=inputs.keep)
+            if pieces is not None:
+                deep = None if self.layer_offsets is None else deep_weights(
+                    self.prompt_tokens, pieces.embed.weight.dtype, tensors=tensors)
+                logits = two_pass_logits(pieces, self.layer_offsets, deep, plan, table, config.num_prompt_tokens,
+                                         config.num_ensemble, config.attention_type)
+            else:
+                inputs = prefill_inputs(self.base_model, plan, table, config.num_prompt_tokens, config.num_ensemble,
+                                        config.attention_type)
+                if self.layer_offsets is not None:
+                    # (cast to the forward's dtype once, not in every layer's hook)
+                    self.layer_offsets.set(inputs.prompt_rows, deep_weights(self.prompt_tokens, inputs.embeds.dtype,
+                                                                            tensors=tensors))
+                out = self.base_model(inputs_embeds=inputs.embeds, attention_mask=inputs.mask,
+                                      position_ids=inputs.positions, use_cache=False, logits_to_keep=inputs.keep)
+                logits = average_copies(inputs.rows(out.logits)[:, 1:], config.num_prompt_tokens,
+                                        config.num_ensemble)
         if self.layer_offsets is not None and not self.checkpointing:  # a checkpointed backward recomputes it
             self.layer_offsets.set(None, None)
-        return average_copies(inputs.rows(out.logits)[:, 1:], config.num_prompt_tokens, config.num_ensemble)
+        return logits
+
+    def pieces(self):
+        """The base model's pieces (``decoding.step.LanguageModel``) for the two-pass forward, or None where ppd
+        cannot run them apart (``UnsupportedModelError``: this model trains in one pass)."""
+        if self._pieces is None:
+            from .decoding.step import LanguageModel
+            from .decoding.support import UnsupportedModelError
+
+            if self.layer_offsets is not None:
+                self.layer_offsets.set(None, None)  # (left set by a checkpointed forward) the probe's forward adds none
+            try:
+                self._pieces = LanguageModel.of(self.base_model)
+            except UnsupportedModelError as err:
+                logger.warning("training in one pass: %s", err)
+                self._pieces = False
+        return self._pieces or None
 
     def batch_logits(self, batch: dict) -> torch.Tensor:
         """:meth:`prompt_logits` of a batch from :class:`PromptTokenCollator`."""

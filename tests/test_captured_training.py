@@ -127,9 +127,10 @@ def test_replayed_graphs_give_the_eager_step_on_a_gpu():
 
 def test_compiled_layers_add_the_deep_offsets_inside_their_graph(monkeypatch):
     """``compile_base`` compiles each decoder layer together with the deep prompt tokens' change to its output
-    (offsets and low-rank maps): the one graph traced holds the offsets' lookup and the maps' products, the hooks
-    stand aside while gradients are on (nothing added twice), and losses and gradients are the eager model's;
-    without gradients (evaluation) the layers and hooks run eagerly, as before."""
+    (offsets and low-rank maps): one graph serves every layer in each of the forward's two passes (``ppd.two_pass``:
+    the real tokens without gradients, then the prompt rows), the prompt rows' graph holds the offsets' lookup and
+    the maps' products, the hooks stand aside while gradients are on (nothing added twice), and losses and gradients
+    are the eager model's; without gradients (evaluation) the prompt rows' layers and hooks run eagerly, as before."""
     from ppd import deep_prompts
 
     model = tiny_model("llama", vocab=VOCAB)
@@ -151,9 +152,11 @@ def test_compiled_layers_add_the_deep_offsets_inside_their_graph(monkeypatch):
     with torch.no_grad():
         trainer(**batch)
     assert len(calls) == model.config.num_hidden_layers  # without them, the hooks added the offsets
-    assert len(graphs) == 1  # one graph for every layer
-    targets = [str(node.target) for node in graphs[0].graph.nodes]
-    assert any("embedding" in t for t in targets) and sum("matmul" in t for t in targets) >= 2, targets
+    assert len(graphs) == 2  # one graph for every layer in each pass
+    targets = [[str(node.target) for node in graph.graph.nodes] for graph in graphs]
+    with_offsets = [any("embedding" in t for t in found) and sum("matmul" in t for t in found) >= 2
+                    for found in targets]
+    assert with_offsets == [False, True], targets  # the first pass has no prompt rows
     torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
     for grad, expected in zip(grads, expected_grads):
         torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-6)

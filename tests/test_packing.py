@@ -88,6 +88,77 @@ def test_packed_cuts_give_the_losses_and_gradients_of_single_cuts(arch, window, 
     assert packed_grad.abs().sum() > 0
 
 
+def _saved_bytes(model: PromptTokenModel, batch: dict) -> int:
+    """Bytes of the tensors the forward keeps for its backward."""
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model.batch_logits(batch)
+    return sum(saved)
+
+
+@pytest.mark.parametrize("arch,window,v,attention,objective,deep,rank", [
+    ("llama", None, 1, "ensemble", Objective.DISTILLATION, False, 0),
+    ("qwen2", None, 2, "encoder", Objective.DISTILLATION, False, 0),
+    ("mistral", 9, 2, "decoder", Objective.CROSS_ENTROPY, False, 0),
+    ("qwen2", 9, 1, "ensemble", Objective.CROSS_ENTROPY, True, 0),
+    ("llama", None, 2, "ensemble", Objective.DISTILLATION, True, 3),
+])
+def test_two_passes_give_the_losses_and_gradients_of_one(arch, window, v, attention, objective, deep, rank):
+    """The default forward (``ppd.two_pass``: the real tokens without gradients, then the prompt rows against their
+    keys and values) gives the one-pass forward's losses and gradients, keeping far less for its backward."""
+    model = tiny_model(arch, vocab=VOCAB, window=window)
+    n = 3
+    trainer = PromptTokenModel(model, random_prompt_tokens(model, n=n, v=v, attention=attention, seed=2, deep=deep,
+                                                           rank=rank), objective)
+    generator = torch.Generator().manual_seed(3)
+    sequences = [torch.randint(VOCAB, (length,), generator=generator).tolist() for length in (60, 23, 41)]
+    cuts = [[2, 17, 18, 59, 60], [23], [5, 40]]
+    targets = _targets(generator, sum(len(row) for row in cuts), n)
+    features, i = [], 0
+    for seq, row in zip(sequences, cuts):
+        features.append({"input_ids": seq, "cut_lengths": row, **{k: t[i: i + len(row)].tolist()
+                                                                   for k, t in targets.items()}})
+        i += len(row)
+    batch = PromptTokenCollator()(features)
+    assert trainer.two_pass
+    two_losses, two_grad = _loss_and_grad(trainer, batch)
+    two_saved = _saved_bytes(trainer, batch)
+    trainer.two_pass = False
+    one_losses, one_grad = _loss_and_grad(trainer, batch)
+    one_saved = _saved_bytes(trainer, batch)
+    torch.testing.assert_close(two_losses, one_losses, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(two_grad, one_grad, rtol=1e-4, atol=1e-7)
+    assert two_grad.abs().sum() > 0
+    assert two_saved < one_saved / 2, (two_saved, one_saved)
+
+
+def test_a_model_ppd_cannot_run_in_pieces_trains_in_one_pass(monkeypatch, caplog):
+    from ppd.decoding.step import LanguageModel
+    from ppd.decoding.support import UnsupportedModelError
+
+    model = tiny_model("llama", vocab=VOCAB)
+    trainer = PromptTokenModel(model, random_prompt_tokens(model, n=2, v=1, seed=4))
+    batch = PromptTokenCollator()([{"input_ids": list(range(1, 12)), "cut_lengths": [4, 11],
+                                    **{k: t.tolist() for k, t in _targets(torch.Generator().manual_seed(5), 2, 2).items()}}])
+    trainer.two_pass = False
+    expected = _loss_and_grad(trainer, batch)
+
+    def refuse(cls, model):
+        raise UnsupportedModelError("this model keeps a cache of its own")
+
+    monkeypatch.setattr(LanguageModel, "of", classmethod(refuse))
+    fresh = PromptTokenModel(model, trainer.prompt_tokens)
+    assert fresh.pieces() is None and "training in one pass: this model keeps a cache of its own" in caplog.text
+    found = _loss_and_grad(fresh, batch)
+    torch.testing.assert_close(found[0], expected[0], rtol=0, atol=0)
+    torch.testing.assert_close(found[1], expected[1], rtol=0, atol=0)
+
+
 def test_one_cut_at_the_end_is_the_prefill_layout():
     for lengths in ([5], [3, 7, 1]):
         packed = packed_layout(lengths, [[n] for n in lengths], 3, 2, "ensemble")

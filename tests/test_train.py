@@ -513,19 +513,22 @@ def test_the_training_step_profile_reports_every_variant_and_batch_size(tiny_set
 
 def test_torch_compile_trains_what_the_eager_base_model_trains(tiny_setup, tmp_path, monkeypatch):
     """``--torch_compile`` compiles the base model's decoder layers (every size dynamic; each with the deep tokens'
-    offsets and maps): one graph serves every layer and the four steps' different widths, the prompt
+    offsets and maps): one graph for each of the forward's two passes serves every layer and the four steps'
+    different widths (the evaluation's first pass shares the training's; the batch sizes differ from the tiny
+    model's head size, 8, which the first compilation would otherwise tie them to), the prompt
     tokens end as those of the eager run, and the Trainer's own compile of the whole module stays off. With
     ``PPD_COMPILE_CACHE`` the run leaves what it compiled there for the next run."""
     from ppd.compile_cache import SUFFIX
 
-    common = ["--max_steps", "4", "--deep", "--map_rank", "2", "--save_strategy", "no"]
+    common = ["--max_steps", "4", "--deep", "--map_rank", "2", "--save_strategy", "no", "--per_device_eval_batch_size",
+              "4"]
     assert run_tiny(tiny_setup, tmp_path / "eager", *common) == 0
     from torch._dynamo.utils import counters
 
     graphs = counters["stats"]["unique_graphs"]
     monkeypatch.setenv("PPD_COMPILE_CACHE", str(tmp_path / "compiled-steps"))
     assert run_tiny(tiny_setup, tmp_path / "compiled", *common, "--torch_compile") == 0
-    assert counters["stats"]["unique_graphs"] - graphs == 1  # one graph: every layer, every width
+    assert counters["stats"]["unique_graphs"] - graphs == 2  # a graph a pass: every layer, every width
     assert len(list((tmp_path / "compiled-steps").glob(f"*{SUFFIX}"))) == 1
     logs = {name: json.loads((tmp_path / name / "training_log.json").read_text()) for name in ("eager", "compiled")}
     assert logs["compiled"]["compiled_base"] and not logs["eager"]["compiled_base"]

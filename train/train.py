@@ -99,6 +99,11 @@ class DataArguments:
                 "batch (every batch padded to the bucket's shapes: --per_device_train_batch_size rows, the width to "
                 "a multiple of --width_multiple); without CUDA the padded step runs eagerly. Not with "
                 "--gradient_checkpointing, --fp16/--bf16, DeepSpeed, FSDP or a schedule-free optimizer"})
+    single_pass: bool = field(default=False, metadata={
+        "help": "run each forward in one pass over the real tokens and the prompt rows, back-propagating through "
+                "both, instead of the default two (the real tokens without gradients first, then the prompt rows "
+                "against their keys and values: the same losses and gradients, a backward over the prompt rows "
+                "alone)"})
     group_by_width: bool = field(default=False, metadata={
         "help": "fill each optimizer step with conversations of like width (sorted within pools of 50 steps, the "
                 "steps shuffled): less padding, and with several GPUs none waits for another's wider batch"})
@@ -366,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         prompt_tokens = new_prompt_tokens(pt_args, model_args, base, tokenizer, model_info)
     model = PromptTokenModel(base, prompt_tokens, pt_args.objective, pt_args.loss_decay)
     model.width_multiple = data_args.width_multiple or (512 if data_args.capture_step else model.width_multiple)
+    model.two_pass = not data_args.single_pass
     compiled = compile_if_asked(model, training_args)
     trainer = PromptTokenTrainer(
         model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
