@@ -17,12 +17,18 @@ prompt rows alone.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers.cache_utils import Cache
 
-from .attention import LayerAttention, layout_tensors, to_additive, within_window
+from .attention import layout_tensors, to_additive, within_window
+from .decoding.attention_switch import switched
+from .decoding.support import text_config
 from .deep_prompts import prompt_row_index
 from .prefill import PrefillPlan, average_copies
+
+CAUSAL = "ppd_causal_sdpa"  # the attention implementation the first pass switches to (:func:`causal_sdpa`)
 
 
 class PrefixCache(Cache):
@@ -94,6 +100,23 @@ def keep_parts(index: int, kwargs: dict, parts: dict[str, LayerPart]) -> None:
         kwargs[key].keep(index, part)
 
 
+def causal_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """transformers' own SDPA attention told to be causal instead of reading ``attention_mask``: the first pass's
+    rows see exactly what its causal mask lets them see, and the kernel skips the blocks above the diagonal."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, None, **{**kwargs, "is_causal": True})
+
+
+def first_pass_attention(lm):
+    """The context of the first pass: :func:`causal_sdpa` where the model runs transformers' SDPA attention and no
+    sliding window (a window needs the mask), else the model's own attention over the mask."""
+    config = lm.body.config
+    if text_config(config)._attn_implementation != "sdpa" or any(lm.layers.kinds.values()):
+        return contextlib.nullcontext()
+    return switched(config, CAUSAL, causal_sdpa)
+
+
 def two_pass_logits(lm, hooks, deep, plan: PrefillPlan, table: torch.Tensor, num_prompt_tokens: int,
                     num_ensemble: int, attention_type) -> torch.Tensor:
     """The logits [C, N, vocab] (float32, copies averaged) of every cut's prompt rows, as
@@ -121,7 +144,7 @@ def two_pass_logits(lm, hooks, deep, plan: PrefillPlan, table: torch.Tensor, num
     cache = PrefixCache(len(lm.layers.layer_types))
     if hooks is not None:
         hooks.set(None, None)
-    with torch.no_grad():
+    with torch.no_grad(), first_pass_attention(lm):
         lm.body(inputs_embeds=embed, attention_mask=lm.layers.pack(first), position_ids=positions,
                 use_cache=True, **{lm.cache_key: cache})
     cache.recording = False

@@ -108,9 +108,17 @@ def _saved_bytes(model: PromptTokenModel, batch: dict) -> int:
     ("qwen2", 9, 1, "ensemble", Objective.CROSS_ENTROPY, True, 0),
     ("llama", None, 2, "ensemble", Objective.DISTILLATION, True, 3),
 ])
-def test_two_passes_give_the_losses_and_gradients_of_one(arch, window, v, attention, objective, deep, rank):
+def test_two_passes_give_the_losses_and_gradients_of_one(arch, window, v, attention, objective, deep, rank,
+                                                        monkeypatch):
     """The default forward (``ppd.two_pass``: the real tokens without gradients, then the prompt rows against their
-    keys and values) gives the one-pass forward's losses and gradients, keeping far less for its backward."""
+    keys and values) gives the one-pass forward's losses and gradients, keeping far less for its backward. Without a
+    sliding window its first pass runs SDPA causal, with no mask; with one, over the mask."""
+    from ppd import two_pass
+
+    causal_layers = []
+    causal = two_pass.causal_sdpa
+    monkeypatch.setattr(two_pass, "causal_sdpa", lambda *args, **kwargs: causal_layers.append(1) or causal(*args,
+                                                                                                        **kwargs))
     model = tiny_model(arch, vocab=VOCAB, window=window)
     n = 3
     trainer = PromptTokenModel(model, random_prompt_tokens(model, n=n, v=v, attention=attention, seed=2, deep=deep,
@@ -135,6 +143,7 @@ def test_two_passes_give_the_losses_and_gradients_of_one(arch, window, v, attent
     torch.testing.assert_close(two_grad, one_grad, rtol=1e-4, atol=1e-7)
     assert two_grad.abs().sum() > 0
     assert two_saved < one_saved / 2, (two_saved, one_saved)
+    assert len(causal_layers) == (0 if window else 2 * model.config.num_hidden_layers)  # the two runs' first passes
 
 
 def test_a_model_ppd_cannot_run_in_pieces_trains_in_one_pass(monkeypatch, caplog):
