@@ -88,7 +88,8 @@ class PromptTokenModel(nn.Module):
         self.plan_free_attention = False  # True: attention only by kernels without per-shape plans (not cuDNN)
         self.compiled = False  # see compile_base
         # The forward in two passes (``ppd.two_pass``: the real tokens without gradients, then the prompt rows);
-        # False: one pass over both. Models whose pieces ppd cannot run apart fall back to one pass.
+        # False: one pass over both. Models whose pieces ppd cannot run apart, and gradient checkpointing, fall back
+        # to one pass.
         self.two_pass = True
         self._pieces = None  # the base model's pieces for two passes (``LanguageModel``), made on first use
 
@@ -149,7 +150,8 @@ class PromptTokenModel(nn.Module):
         ``tensors``: stand-ins for the prompt tokens' tensors (by ``PromptTokens.tensors`` names) to read instead."""
         config = self.prompt_tokens.config
         table = self.prompt_tokens() if tensors is None else tensors[TENSOR_NAME]
-        pieces = self.pieces() if self.two_pass else None
+        # (transformers drops the cache of a forward whose layers recompute their activations: one pass then)
+        pieces = self.pieces() if self.two_pass and not self.checkpointing else None
         with plan_free_sdpa() if self.plan_free_attention else contextlib.nullcontext():
             if pieces is not None:
                 deep = None if self.layer_offsets is None else deep_weights(

@@ -85,9 +85,6 @@ class LayerPart(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0 if self.keys is None else self.keys.shape[2]
 
-    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
-        return self.get_seq_length(), 0
-
 
 def layer_parts(index: int, kwargs: dict) -> dict[str, LayerPart]:
     """Layer ``index``'s parts of the :class:`PrefixCache` among a decoder layer's keyword arguments, by keyword."""

@@ -146,6 +146,20 @@ def test_two_passes_give_the_losses_and_gradients_of_one(arch, window, v, attent
     assert len(causal_layers) == (0 if window else 2 * model.config.num_hidden_layers)  # the two runs' first passes
 
 
+def test_gradient_checkpointing_trains_in_one_pass_with_the_same_gradients():
+    """transformers drops the cache of a forward whose layers recompute their activations, so a checkpointed model
+    runs one pass: the same losses and gradients as the two-pass forward without checkpointing."""
+    model = tiny_model("llama", vocab=VOCAB)
+    trainer = PromptTokenModel(model, random_prompt_tokens(model, n=3, v=1, seed=6, deep=True, rank=2))
+    batch = PromptTokenCollator()([{"input_ids": list(range(1, 30)), "cut_lengths": [3, 17, 29],
+                                    **{k: t.tolist() for k, t in _targets(torch.Generator().manual_seed(7), 3, 3).items()}}])
+    expected = _loss_and_grad(trainer, batch)
+    trainer.gradient_checkpointing_enable()
+    found = _loss_and_grad(trainer, batch)
+    torch.testing.assert_close(found[0], expected[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(found[1], expected[1], rtol=1e-4, atol=1e-7)
+
+
 def test_a_model_ppd_cannot_run_in_pieces_trains_in_one_pass(monkeypatch, caplog):
     from ppd.decoding.step import LanguageModel
     from ppd.decoding.support import UnsupportedModelError
