@@ -13,7 +13,8 @@ same steps again under ``torch.profiler``. Reports per step the wall time, the k
 many operations of one step made the host wait for the device (``syncs_per_step``, torch's sync debug mode:
 each drains the device's queue, so the host cannot run ahead). How the wall
 time grows with the batch shows the step's fixed cost: what two processes of half the batch each still pay
-in full. ``--torch_compile`` among the training flags runs the base model's layers compiled, as ``train.train``
+in full. ``--single_pass`` among the training flags profiles the one-pass forward instead of the default two
+passes (``ppd.two_pass``). ``--torch_compile`` among the training flags runs the base model's layers compiled, as ``train.train``
 does with it (the warm-up steps of the first batch size compile; ``warmup_s`` says how long they took). Writes JSON
 and a markdown table.
 """
@@ -66,6 +67,7 @@ def load(args: argparse.Namespace):
     base, tokenizer, model_info = load_base(model_args, training_args.device, False)
     prompt_tokens = new_prompt_tokens(pt_args, model_args, base, tokenizer, model_info)
     model = PromptTokenModel(base, prompt_tokens, pt_args.objective, pt_args.loss_decay).to(training_args.device)
+    model.two_pass = not data_args.single_pass  # (``-- --single_pass``: the one-pass forward)
     compile_if_asked(model, training_args)  # --torch_compile: every variant's steps run the layers compiled
     collator = PromptTokenCollator(num_prompt_tokens=pt_args.num_prompt_tokens)
     return model, dataset, collator, training_args

@@ -511,6 +511,20 @@ def test_the_training_step_profile_reports_every_variant_and_batch_size(tiny_set
                             "--warmup", "1", "--", "--model", str(tiny_setup / "model")])
 
 
+def test_the_training_speed_benchmark_times_two_passes_against_one(tiny_setup, tmp_path, capsys):
+    from eval import train_speed
+
+    out = tmp_path / "speed.json"
+    assert train_speed.main(["--dataset_path", str(tiny_setup / "data"), "--max_steps", "2", "--cuts_per_forward", "0",
+                             "--passes", "2", "1", "--output", str(out), "--", "--model", str(tiny_setup / "model"),
+                             "--per_device_train_batch_size", "4", "--dataloader_pin_memory", "false"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["cuts_per_forward"], r["passes"]) for r in rows] == [(0, 2), (0, 1)]
+    assert "--single_pass" in rows[1]["command"] and "--single_pass" not in rows[0]["command"]
+    assert rows[0]["examples"] == rows[1]["examples"] > 0  # the same steps, timed both ways
+    assert "| all of a conversation | 1 | 1 |" in capsys.readouterr().out
+
+
 def test_torch_compile_trains_what_the_eager_base_model_trains(tiny_setup, tmp_path, monkeypatch):
     """``--torch_compile`` compiles the base model's decoder layers (every size dynamic; each with the deep tokens'
     offsets and maps): one graph for each of the forward's two passes serves every layer and the four steps'
