@@ -107,17 +107,22 @@ def prefill_inputs(model, plan: PrefillPlan, prompt_table: torch.Tensor | None, 
     if prompt_table is not None and n_rows:
         rel = torch.arange(plan.width, device=plan.ids.device)[None, :] - plan.lengths[:, None]  # [B, Q]
         is_prompt = (rel >= 0) & (rel < plan.counts[:, None] * n_rows)
-        table = prompt_table.to(device=embeds.device, dtype=embeds.dtype)
         prompt_rows = prompt_row_index(is_prompt, rel.clamp(min=0) % n_rows)
-        # Row 0 of the lookup is every real token's: no gradient to add up there (see deep_prompts' hooks).
-        looked_up = torch.nn.functional.embedding(prompt_rows, torch.cat([table.new_zeros(1, table.shape[1]), table]),
-                                                  padding_idx=0)
-        embeds = torch.where(is_prompt[..., None], looked_up, embeds)
+        embeds = torch.where(is_prompt[..., None], prompt_embeddings(prompt_rows, prompt_table, embeds.dtype), embeds)
     layers = LayerAttention.of(model.config)
     masks = {kind: to_additive((allowed if window is None else allowed & within_window(positions, positions, window)
                                 )[:, None], embeds.dtype) for kind, window in layers.kinds.items()}
     return PrefillInputs(embeds, layers.pack(masks), positions, plan.lengths, plan.keep, plan.where, plan.cut_rows,
                          prompt_rows)
+
+
+def prompt_embeddings(prompt_rows: torch.Tensor, prompt_table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The ``prompt_table`` row of every slot of ``prompt_rows`` (``deep_prompts.prompt_row_index``: table row + 1,
+    0 elsewhere), zeros where it is 0, in ``dtype`` on ``prompt_rows``' device. A lookup whose row 0, every real
+    token's, adds up no gradient (see ``deep_prompts``' hooks)."""
+    table = prompt_table.to(device=prompt_rows.device, dtype=dtype)
+    return torch.nn.functional.embedding(prompt_rows, torch.cat([table.new_zeros(1, table.shape[1]), table]),
+                                         padding_idx=0)
 
 
 def build_prefill(model, batch: list[list[int]], prompt_table: torch.Tensor | None, num_prompt_tokens: int,

@@ -26,7 +26,7 @@ from .attention import layout_tensors, to_additive, within_window
 from .decoding.attention_switch import switched
 from .decoding.support import text_config
 from .deep_prompts import prompt_row_index
-from .prefill import PrefillPlan, average_copies
+from .prefill import PrefillPlan, average_copies, prompt_embeddings
 
 CAUSAL = "ppd_causal_sdpa"  # the attention implementation the first pass switches to (:func:`causal_sdpa`)
 
@@ -163,8 +163,7 @@ def two_pass_logits(lm, hooks, deep, plan: PrefillPlan, table: torch.Tensor, num
                                  second_allowed & within_window(query_positions, key_positions, window))[:, None],
                                 dtype) for kind, window in kinds.items()}
     prompt_rows = prompt_row_index(valid, new[None, :].expand(batch, -1) % max(n_rows, 1))
-    lookup = torch.cat([table.new_zeros(1, table.shape[1]), table]).to(device=device, dtype=dtype)
-    embeds = torch.nn.functional.embedding(prompt_rows, lookup, padding_idx=0)  # [B, P, hidden]
+    embeds = prompt_embeddings(prompt_rows, table, dtype)  # [B, P, hidden]
     if hooks is not None:
         hooks.set(prompt_rows, deep)
     hidden = lm.body(inputs_embeds=embeds, attention_mask=lm.layers.pack(second), position_ids=query_positions,
