@@ -14,7 +14,7 @@ many operations of one step made the host wait for the device (``syncs_per_step`
 each drains the device's queue, so the host cannot run ahead). How the wall
 time grows with the batch shows the step's fixed cost: what two processes of half the batch each still pay
 in full. ``--single_pass`` among the training flags profiles the one-pass forward instead of the default two
-passes (``ppd.two_pass``). ``--torch_compile`` among the training flags runs the base model's layers compiled, as ``train.train``
+passes (``ppd.two_pass``). ``--torch_compile`` among them runs the base model's layers compiled, as ``train.train``
 does with it (the warm-up steps of the first batch size compile; ``warmup_s`` says how long they took). Writes JSON
 and a markdown table.
 """

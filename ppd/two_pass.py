@@ -137,7 +137,7 @@ def two_pass_logits(lm, hooks, deep, plan: PrefillPlan, table: torch.Tensor, num
     # below reads them).
     causal = slot[:, None] >= slot[None, :]
     first = {kind: to_additive((causal if window is None else causal & within_window(slot, slot, window)
-                                )[None, None], dtype) for kind, window in kinds.items()}  # [1, 1, Q, Q]: every row alike
+                                )[None, None], dtype) for kind, window in kinds.items()}  # [1, 1, Q, Q]: rows alike
     cache = PrefixCache(len(lm.layers.layer_types))
     if hooks is not None:
         hooks.set(None, None)

@@ -152,7 +152,8 @@ def test_gradient_checkpointing_trains_in_one_pass_with_the_same_gradients():
     model = tiny_model("llama", vocab=VOCAB)
     trainer = PromptTokenModel(model, random_prompt_tokens(model, n=3, v=1, seed=6, deep=True, rank=2))
     batch = PromptTokenCollator()([{"input_ids": list(range(1, 30)), "cut_lengths": [3, 17, 29],
-                                    **{k: t.tolist() for k, t in _targets(torch.Generator().manual_seed(7), 3, 3).items()}}])
+                                    **{k: t.tolist()
+                                       for k, t in _targets(torch.Generator().manual_seed(7), 3, 3).items()}}])
     expected = _loss_and_grad(trainer, batch)
     trainer.gradient_checkpointing_enable()
     found = _loss_and_grad(trainer, batch)
@@ -167,7 +168,8 @@ def test_a_model_ppd_cannot_run_in_pieces_trains_in_one_pass(monkeypatch, caplog
     model = tiny_model("llama", vocab=VOCAB)
     trainer = PromptTokenModel(model, random_prompt_tokens(model, n=2, v=1, seed=4))
     batch = PromptTokenCollator()([{"input_ids": list(range(1, 12)), "cut_lengths": [4, 11],
-                                    **{k: t.tolist() for k, t in _targets(torch.Generator().manual_seed(5), 2, 2).items()}}])
+                                    **{k: t.tolist()
+                                       for k, t in _targets(torch.Generator().manual_seed(5), 2, 2).items()}}])
     trainer.two_pass = False
     expected = _loss_and_grad(trainer, batch)
 
