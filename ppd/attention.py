@@ -166,6 +166,33 @@ def layout_tensors(lengths: torch.Tensor, cuts: torch.Tensor, counts: torch.Tens
     return allowed, positions
 
 
+def prompt_rows_layout(lengths: torch.Tensor, cuts: torch.Tensor, counts: torch.Tensor, width: int,
+                       num_prompt_tokens: int, num_ensemble: int, attention_type: AttentionType | str,
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed layout's rows of prompt tokens alone (:func:`layout_tensors`' arguments; the two-pass training
+    forward, ``ppd.two_pass``): prompt row j of batch row b is the layout's slot ``L_b + j`` (``P = K * N * V``
+    rows, K the columns of ``cuts``), and its keys are the layout's first ``width`` slots, then the P prompt rows.
+
+    Returns ``allowed`` bool [B, P, width + P], what :func:`layout_tensors` lets those slots see (a row past the
+    row's cuts, padding, sees only itself), and their ``position_ids`` long [B, P]. Its size grows with the
+    width, not with its square."""
+    device = lengths.device
+    n_rows = num_prompt_tokens * num_ensemble
+    rows = cuts.shape[1] * n_rows
+    row = torch.arange(rows, device=device)
+    valid = row[None, :] < counts[:, None] * n_rows  # [B, P]
+    block, r = row // n_rows, row % n_rows  # [P]: each row's cut (column of ``cuts``) and place in its block
+    cut = cuts[:, block]  # [B, P]
+    slot = torch.arange(width, device=device)
+    prefix = valid[:, :, None] & (slot[None, None, :] < cut[:, :, None])  # [B, P, width]: x_b[:c]
+    pair = prompt_block_mask(num_prompt_tokens, num_ensemble, attention_type, device)[r[:, None], r[None, :]]
+    own = pair & (block[:, None] == block[None, :])  # [P, P]
+    alone = torch.eye(rows, dtype=torch.bool, device=device)
+    among = torch.where(valid[:, :, None], own[None] & valid[:, None, :], alone[None])  # [B, P, P]
+    positions = torch.where(valid, cut + r[None, :] // num_ensemble, 0)
+    return torch.cat([prefix, among], dim=-1), positions
+
+
 # The SDPA kernels for a forward whose shape changes call to call (prefills, training batches): all but cuDNN's.
 # cuDNN's attention builds an execution plan for every new shape, and such a forward's shape (rows by width) is
 # new nearly every time: on one H200 a decoder's prefills of 32 MT-Bench prompts took 109-117 ms each where it

@@ -22,7 +22,7 @@ import contextlib
 import torch
 from transformers.cache_utils import Cache
 
-from .attention import layout_tensors, to_additive, within_window
+from .attention import prompt_rows_layout, to_additive, within_window
 from .decoding.attention_switch import switched
 from .decoding.support import text_config
 from .deep_prompts import prompt_row_index
@@ -127,10 +127,9 @@ def two_pass_logits(lm, hooks, deep, plan: PrefillPlan, table: torch.Tensor, num
     device = plan.ids.device
     embed = lm.embed(plan.ids)
     dtype = embed.dtype
-    allowed, positions = layout_tensors(plan.lengths, plan.cuts, plan.counts, width, num_prompt_tokens,
-                                        num_ensemble, attention_type)
     kinds = lm.layers.kinds
     slot = torch.arange(width, device=device)
+    real_positions = torch.where(slot[None, :] < plan.lengths[:, None], slot[None, :], 0)  # [B, Q]
 
     # First pass: every row's slots causally (its real tokens see what they see in the packed layout, at the same
     # positions; the slots past them hold token 0 and see only slots before them, so they stay finite and nothing
@@ -142,27 +141,21 @@ def two_pass_logits(lm, hooks, deep, plan: PrefillPlan, table: torch.Tensor, num
     if hooks is not None:
         hooks.set(None, None)
     with torch.no_grad(), first_pass_attention(lm):
-        lm.body(inputs_embeds=embed, attention_mask=lm.layers.pack(first), position_ids=positions,
+        lm.body(inputs_embeds=embed, attention_mask=lm.layers.pack(first), position_ids=real_positions,
                 use_cache=True, **{lm.cache_key: cache})
     cache.recording = False
 
     # Second pass: prompt row j of batch row b is the packed layout's slot L_b + j; its keys are the first pass's
-    # slots (its real tokens before its cut, as the layout allows) and the new rows (its own block).
-    rows = plan.cuts.shape[1] * n_rows
-    new = torch.arange(rows, device=device)
-    valid = new[None, :] < plan.counts[:, None] * n_rows  # [B, P]
-    packed = (plan.lengths[:, None] + new[None, :]).clamp(max=width - 1)  # [B, P]: slot in the packed layout
-    seen = allowed.gather(1, packed[..., None].expand(-1, -1, width))  # [B, P, Q]
-    prefix = seen & (slot[None, None, :] < plan.lengths[:, None, None]) & valid[..., None]
-    own = seen.gather(2, packed[:, None, :].expand(-1, rows, -1)) & valid[:, None, :]
-    alone = torch.eye(rows, dtype=torch.bool, device=device)[None]  # a padding row sees itself only
-    second_allowed = torch.cat([prefix, torch.where(valid[..., None], own, alone)], dim=-1)  # [B, P, Q + P]
-    query_positions = positions.gather(1, packed)
+    # slots (its real tokens before its cut) and the new rows (its own block), as the layout allows.
+    second_allowed, query_positions = prompt_rows_layout(plan.lengths, plan.cuts, plan.counts, width,
+                                                         num_prompt_tokens, num_ensemble, attention_type)
+    rows = second_allowed.shape[1]
+    valid = torch.arange(rows, device=device)[None, :] < plan.counts[:, None] * n_rows  # [B, P]
     key_positions = torch.cat([slot[None].expand(batch, -1), query_positions], dim=1)
     second = {kind: to_additive((second_allowed if window is None else
                                  second_allowed & within_window(query_positions, key_positions, window))[:, None],
                                 dtype) for kind, window in kinds.items()}
-    prompt_rows = prompt_row_index(valid, new[None, :].expand(batch, -1) % max(n_rows, 1))
+    prompt_rows = prompt_row_index(valid, torch.arange(rows, device=device)[None, :].expand(batch, -1) % n_rows)
     embeds = prompt_embeddings(prompt_rows, table, dtype)  # [B, P, hidden]
     if hooks is not None:
         hooks.set(prompt_rows, deep)
