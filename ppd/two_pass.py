@@ -43,11 +43,10 @@ class PrefixCache(Cache):
         self.recording = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        if self.recording:
-            self.keys[layer_idx], self.values[layer_idx] = key_states, value_states
-            return key_states, value_states
-        return (torch.cat([self.keys[layer_idx], key_states], dim=2),
-                torch.cat([self.values[layer_idx], value_states], dim=2))
+        part = self.layer(layer_idx)
+        found = part.update(key_states, value_states, layer_idx)
+        self.keep(layer_idx, part)
+        return found
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         kept = self.keys[layer_idx]
