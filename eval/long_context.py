@@ -36,7 +36,6 @@ at batch 1.
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import statistics
 import sys
@@ -45,11 +44,10 @@ from pathlib import Path
 
 import torch
 
-from ppd.chat import chat_input_ids
 from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_decoder_or_exit
 from ppd.config import DecodeConfig
-from ppd.conversations import MalformedRecord, load_conversations, to_messages
 from ppd.decoding.graphs import compile_limits
+from ppd.long_prompts import ContextError, conversation_source, long_prompts
 from ppd.teacher import left_padded
 from ppd.tree import TreeSet
 
@@ -58,14 +56,8 @@ from .records import PartialRun, SettingsMismatch, environment, run_settings
 
 METHODS = ("ppd", "baseline", "hf_static")
 ENGINE_METHODS = ("ppd", "baseline")
-SLACK = 16  # a prompt of P tokens is built with between P - SLACK and P tokens
-QUESTION_TOKENS = 64  # the longest question (first user turn) a prompt ends with, in tokens
 MIN_PROMPT_TOKENS = 128  # below this a "long" prompt would be mostly chat template and question
 WARMUP_TOKENS = 8  # new tokens of the engine's untimed warm-up generation
-
-
-class ContextError(ValueError):
-    """A context or prompt length this benchmark cannot run (``main`` says so in one line, exit status 2)."""
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -92,99 +84,6 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------------------------------------- prompts
-@functools.lru_cache(maxsize=2)
-def conversation_source(data_path: str | None = None) -> tuple[str, tuple[list[dict], ...]]:
-    """What the source is, and every usable conversation of it in source order, as ``to_messages`` normalises
-    it (read once per process)."""
-    source = load_conversations(data_path)
-    conversations = []
-    for record in source.records:
-        try:
-            conversations.append(to_messages(record))
-        except MalformedRecord:
-            continue
-    return source.description, tuple(conversations)
-
-
-def _transcript(messages: list[dict]) -> str:
-    return "\n".join(f"{m['role'].capitalize()}: {m['content']}" for m in messages)
-
-
-def _tokens(tokenizer, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
-
-
-def _from_a_word(cut: str, longest: int = 16) -> str:
-    """``cut`` from its first whole word where that is near (a cut may start in half a word, or half a
-    character); from its first whole character where the first word is long (a URL, a language without
-    spaces), so that the prompt stays within a few tokens of the cut."""
-    cut = cut.lstrip("\ufffd")
-    space = next((i for i, c in enumerate(cut[:longest]) if c.isspace()), None)
-    return cut if space is None else cut[space:].lstrip()
-
-
-def _fit(tokenizer, text_ids: list[int], question: str, num_tokens: int, slack: int) -> list[int] | None:
-    """The chat prompt "<the last k tokens of the transcript>\\n\\n<question>" of between ``num_tokens - slack``
-    and ``num_tokens`` tokens, k found by a few corrections (decoding a cut and tokenizing it again shifts a
-    few tokens); ``None`` where the transcript is too short."""
-
-    def render(transcript: str) -> list[int]:
-        return chat_input_ids(tokenizer, [{"role": "user", "content": f"{transcript}\n\n{question}"}])
-
-    target = num_tokens - slack // 2
-    keep = target - len(render(""))
-    for _ in range(16):
-        if keep > len(text_ids):
-            return None
-        ids = render(_from_a_word(tokenizer.decode(text_ids[-keep:])))
-        if num_tokens - slack <= len(ids) <= num_tokens:
-            return ids
-        keep += target - len(ids)
-    raise RuntimeError(f"no cut of the transcript gives a prompt of {num_tokens - slack} to {num_tokens} tokens")
-
-
-def long_prompts(tokenizer, num_tokens: int, count: int, data_path: str | None = None,
-                 slack: int = SLACK) -> list[list[int]]:
-    """``count`` chat prompts of between ``num_tokens - slack`` and ``num_tokens`` tokens, each one user message:
-    a transcript of real conversation turns, cut at a token, then a blank line and a real question (see the
-    module docstring). Row i ends its transcript with the i-th conversation whose following conversation
-    opens with a question of at most ``QUESTION_TOKENS`` tokens and that has enough text before it, so rows
-    differ. Deterministic: the same source and tokenizer give the same prompts."""
-    overhead = len(chat_input_ids(tokenizer, [{"role": "user", "content": ""}]))
-    if num_tokens - slack < overhead + QUESTION_TOKENS + slack:
-        raise ContextError(f"a long prompt of {num_tokens} tokens leaves no room for a transcript: the chat "
-                           f"template takes {overhead} tokens and a question up to {QUESTION_TOKENS}")
-    _, conversations = conversation_source(data_path)
-    lengths: dict[int, int] = {}  # tokens of each conversation's transcript, counted once
-
-    def length(index: int) -> int:
-        if index not in lengths:
-            lengths[index] = len(_tokens(tokenizer, _transcript(conversations[index])))
-        return lengths[index]
-
-    prompts: list[list[int]] = []
-    for end in range(1, len(conversations)):
-        if len(prompts) == count:
-            break
-        question = next((m["content"] for m in conversations[end] if m["role"] == "user"), "")
-        if not question.strip() or len(_tokens(tokenizer, question)) > QUESTION_TOKENS:
-            continue
-        start, total = end, 0
-        while start > 0 and total < num_tokens:
-            start -= 1
-            total += length(start)
-        if total < num_tokens:
-            continue  # not enough text before this question yet
-        text = "\n\n".join(_transcript(conversations[i]) for i in range(start, end))
-        ids = _fit(tokenizer, _tokens(tokenizer, text), question, num_tokens, slack)
-        if ids is not None:
-            prompts.append(ids)
-    if len(prompts) < count:
-        raise ContextError(f"the conversation source holds text for {len(prompts)} prompts of {num_tokens} "
-                           f"tokens, not {count}")
-    return prompts
-
-
 def check_contexts(contexts: list[int], max_new_tokens: int, capacity: int | None = None,
                    capacity_reason: str = "the decoder's capacity") -> None:
     """Raise :class:`ContextError` for a context whose prompt would be too short for a long prompt, or that is

@@ -1,4 +1,4 @@
-"""eval.long_context: long prompts cut from real ShareGPT text, and an end-to-end run on the CPU with the real model."""
+"""eval.long_context: the contexts it refuses, and an end-to-end run on the CPU with the real model (its prompts:\ntest_long_prompts.py)."""
 
 import importlib.util
 import json
@@ -6,46 +6,14 @@ import json
 import pytest
 
 from eval import long_context
-from eval.long_context import ContextError, check_contexts, conversation_source, long_prompts
-from ppd.chat import chat_input_ids
+from eval.long_context import ContextError, check_contexts
+from ppd.long_prompts import SLACK
 
 CPU = ["--device", "cpu", "--dtype", "float32", "--capture", "eager"]
 TREE = "ppd/adapters/smollm2-135m-instruct/tree_cuda.json"  # another tree set than the CPU's, as a variant
 
 
-def _source_text(conversations: int = 400) -> str:
-    _, records = conversation_source()
-    return "\n".join(m["content"] for messages in records[:conversations] for m in messages)
-
-
-def test_long_prompts_are_real_text_of_the_asked_length(real_model):
-    _, tokenizer, _ = real_model
-    prompts = long_prompts(tokenizer, 376, 4)
-    assert len(prompts) == 4 and all(376 - long_context.SLACK <= len(p) <= 376 for p in prompts)
-    assert len({tuple(p) for p in prompts}) == 4  # every row its own prompt
-    assert len({len(p) for p in prompts}) > 1  # and the lengths of a batch differ
-    assert long_prompts(tokenizer, 376, 4) == prompts  # deterministic
-    head = chat_input_ids(tokenizer, [{"role": "user", "content": ""}])
-    source = _source_text()
-    labelled = 0
-    for ids in prompts:
-        assert ids[:8] == head[:8]  # one user message in the model's chat template
-        text = tokenizer.decode(ids, skip_special_tokens=True)
-        labelled += "User: " in text and "Assistant: " in text  # (a cut can fall inside one long reply)
-        lines = [line.split(": ", 1)[-1] if line.startswith(("User: ", "Assistant: ")) else line
-                 for line in text.splitlines() if len(line) >= 20]
-        found = [line in source for line in lines]
-        # Every line but the chat template's system prompt is ShareGPT text, the question (the last) too.
-        assert found[-1] and sum(found) >= len(found) - 1 and sum(found) >= 3
-    assert labelled >= 2  # transcripts of turns
-
-
-def test_longer_prompts_and_what_is_refused(real_model):
-    _, tokenizer, _ = real_model
-    prompts = long_prompts(tokenizer, 2048, 2)
-    assert all(2048 - long_context.SLACK <= len(p) <= 2048 for p in prompts)
-    with pytest.raises(ContextError, match="no room for a transcript"):
-        long_prompts(tokenizer, 64, 1)
+def test_contexts_that_are_refused():
     with pytest.raises(ContextError, match="leaves 0 prompt tokens"):
         check_contexts([128], 128)
     with pytest.raises(ContextError, match="larger than the model's context window, 8192"):
@@ -76,7 +44,7 @@ def test_an_end_to_end_run_on_the_cpu(tmp_path, capsys):
     assert set(rows) == {(b, m) for b in (1, 2) for m in ("ppd", "baseline", "hf_static", "ppd:tree_cuda.json")}
     for (batch, method), row in rows.items():
         assert row["error"] is None and row["context"] == 384 and row["reference"] == "baseline"
-        assert 384 - 8 - long_context.SLACK <= row["prompt_tokens_min"] <= row["prompt_tokens_max"] <= 384 - 8
+        assert 384 - 8 - SLACK <= row["prompt_tokens_min"] <= row["prompt_tokens_max"] <= 384 - 8
         assert batch <= row["new_tokens"] <= 8 * batch
         assert row["prefill_s"] > 0 and row["tokens_per_s"] > 0
         if method != "hf_static":  # read back within the same run; hf_static's is a run of its own, whose
