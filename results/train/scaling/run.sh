@@ -20,7 +20,7 @@ mkdir -p "$W" "$R/logs"
 SAMPLES=${SAMPLES:-1500}; N=5; CUTS=32; STEPS=${STEPS:-200}; EPOCHS=${EPOCHS:-1}; EVAL_SIZE=${EVAL_SIZE:-0.05}
 TRAIN="--trainer_type distillation --lr_scheduler_type cosine --num_prompt_tokens 3 --deep --dataloader_num_workers 2 --dataloader_persistent_workers ${EXTRA:-}"
 TAG=${TAG:-}
-TWO="accelerate launch --multi_gpu --num_processes 2"
+TWO=${LAUNCH:-accelerate launch --multi_gpu --num_processes 2}  # LAUNCH=python: one process (data on one GPU)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$R/logs/gpu.txt"
 for phase in "$@"; do
   start=$SECONDS
