@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prompt tokens for long contexts (2 x H200): the model's own replies to long prompts of real ShareGPT text
+# Prompt tokens for long contexts (one or two GPUs: GPU_A and GPU_B, 0 and 1 by default): the model's own replies to long prompts of real ShareGPT text
 # (data_gen.long_prompts, 1,024-7,936 tokens, conversations 3,000 on), trained alone and mixed with the shipped
 # recipe's short data, against the shipped tokens: accept length by exact replay on the long replies held out
 # (trees of every token set's own held-out paths, and the shipped trees), on MT-Bench, and decoding at 8K.
@@ -11,6 +11,7 @@ export PYTHONPATH=${PYTHONPATH:-$PWD} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENI
 W=${WORK:-/root/work-long}; S=${SHORT_WORK:-/root/work-scaling}; R=${OUT:-/tmp/out}/long
 mkdir -p "$W/runs" "$R/logs"
 N=5; CUTS=32; BUDGETS="16 64 128"
+A=${GPU_A:-0}; B=${GPU_B:-1}  # the same GPU twice: the phases' two halves share it (timed decoding runs one by one)
 SHIPPED=ppd/adapters/smollm2-135m-instruct; T=results/train/v7/runs/maps16-lr3e-3-e3/trees
 TRAIN="--trainer_type distillation --lr_scheduler_type cosine --num_prompt_tokens 3 --deep --map_rank 16
   --learning_rate 1e-2 --map_learning_rate 3e-3 --per_device_train_batch_size 8 --num_train_epochs 3
@@ -23,13 +24,13 @@ timed() {  # NAME command...: run it, logging to $R/logs/NAME.log, and append "N
   echo "$name $((SECONDS - start)) s rc=$rc" | tee -a "$R/timings.txt"
   return $rc
 }
-long_data() {  # on GPU 1: the long prompts answered (greedy, 256 tokens), cut (32 a reply) and distilled
-  [ -d "$W/sd" ] || CUDA_VISIBLE_DEVICES=1 timed long-sd python -m data_gen.generate --dataset_type conversations \
+long_data() {  # on GPU B: the long prompts answered (greedy, 256 tokens), cut (32 a reply) and distilled
+  [ -d "$W/sd" ] || CUDA_VISIBLE_DEVICES=$B timed long-sd python -m data_gen.generate --dataset_type conversations \
     --data_path "${LONG_PROMPTS:?}" --output_path "$W/sd" --max_turns 1 --max_new_tokens 256 --model_max_length 8192 \
     --batch_size 64 --decode_method baseline --capture eager --dtype bfloat16
   [ -d "$W/cuts" ] || timed long-cuts python -m data_gen.generate --dataset_type finetune --data_path "$W/sd" \
     --output_path "$W/cuts" --num_prompt_tokens $N --cuts_per_conversation $CUTS --model_max_length 8192 --shard_size 2048
-  [ -d "$W/targets" ] || CUDA_VISIBLE_DEVICES=1 timed long-targets python -m data_gen.generate --dataset_type distillation \
+  [ -d "$W/targets" ] || CUDA_VISIBLE_DEVICES=$B timed long-targets python -m data_gen.generate --dataset_type distillation \
     --data_path "$W/cuts" --output_path "$W/targets" --num_prompt_tokens $N --teacher forced --dtype bfloat16 \
     --batch_tokens 131072 --max_batch_size 256 --shard_size 2048
 }
@@ -65,18 +66,22 @@ speed() {  # GPU NAME ADAPTER TREE BATCH: 8K decoding, ppd with TREE against the
 }
 for phase in "$@"; do
   case $phase in
-    data)  # the shipped recipe's short data on GPU 0 (issue 13's run.sh) beside the long data on GPU 1
-      CUDA_VISIBLE_DEVICES=0 LAUNCH=python SAMPLES=3000 WORK=$S timed short-data bash results/train/scaling/run.sh data &
+    data)  # the shipped recipe's short data on GPU A (issue 13's run.sh) beside the long data on GPU B
+      CUDA_VISIBLE_DEVICES=$A LAUNCH=python SAMPLES=3000 WORK=$S timed short-data bash results/train/scaling/run.sh data &
       long_data; wait ;;
-    runs)  # GPU 1: long alone, trained and replayed, then the shipped tokens replayed; GPU 0: long + short
-      { train_run 1 long "$W/targets" && replay 1 long "$W/runs/long"; replay 1 shipped $SHIPPED; } &
-      train_run 0 mixed "$S/sd-targets" "$W/targets" && replay 0 mixed "$W/runs/mixed"; wait ;;
-    speed)  # BEST: the run decoded at 8K batch 16 (its own 16-row tree) beside the shipped tokens
-      speed 1 shipped $SHIPPED "$R/shipped/trees/tree_16.json" 16 &
-      speed 0 "${BEST:-mixed}" "$W/runs/${BEST:-mixed}" "$R/${BEST:-mixed}/trees/tree_16.json" 16; wait ;;
-    speed1)  # the same at batch 1, the 64-row trees
-      speed 1 shipped $SHIPPED "$R/shipped/trees/tree_64.json" 1 &
-      speed 0 "${BEST:-mixed}" "$W/runs/${BEST:-mixed}" "$R/${BEST:-mixed}/trees/tree_64.json" 1; wait ;;
+    runs)  # GPU B: long alone, trained and replayed, then the shipped tokens replayed; GPU A: long + short
+      { train_run $B long "$W/targets" && replay $B long "$W/runs/long"; replay $B shipped $SHIPPED; } &
+      train_run $A mixed "$S/sd-targets" "$W/targets" && replay $A mixed "$W/runs/mixed"; wait ;;
+    speed|speed1)  # BEST: the run decoded at 8K, batch 16 with its own 16-row tree (speed1: batch 1, 64 rows),
+      # then the shipped tokens with theirs (beside it on GPU B where there are two GPUs)
+      batch=16; rows=16; [ $phase = speed1 ] && { batch=1; rows=64; }
+      if [ "$A" = "$B" ]; then
+        speed $A "${BEST:-mixed}" "$W/runs/${BEST:-mixed}" "$R/${BEST:-mixed}/trees/tree_$rows.json" $batch
+        speed $A shipped $SHIPPED "$R/shipped/trees/tree_$rows.json" $batch
+      else
+        speed $B shipped $SHIPPED "$R/shipped/trees/tree_$rows.json" $batch &
+        speed $A "${BEST:-mixed}" "$W/runs/${BEST:-mixed}" "$R/${BEST:-mixed}/trees/tree_$rows.json" $batch; wait
+      fi ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
 done
