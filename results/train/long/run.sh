@@ -27,7 +27,7 @@ timed() {  # NAME command...: run it, logging to $R/logs/NAME.log, and append "N
 long_data() {  # on GPU B: the long prompts answered (greedy, 256 tokens), cut (32 a reply) and distilled
   [ -d "$W/sd" ] || CUDA_VISIBLE_DEVICES=$B timed long-sd python -m data_gen.generate --dataset_type conversations \
     --data_path "${LONG_PROMPTS:?}" --output_path "$W/sd" --max_turns 1 --max_new_tokens 256 --model_max_length 8192 \
-    --batch_size 64 --decode_method baseline --capture eager --dtype bfloat16
+    --batch_size 64 --decode_method baseline --capture eager --dtype bfloat16 ${LONG_SAMPLES:+--max_samples $LONG_SAMPLES}
   [ -d "$W/cuts" ] || timed long-cuts python -m data_gen.generate --dataset_type finetune --data_path "$W/sd" \
     --output_path "$W/cuts" --num_prompt_tokens $N --cuts_per_conversation $CUTS --model_max_length 8192 --shard_size 2048
   [ -d "$W/targets" ] || CUDA_VISIBLE_DEVICES=$B timed long-targets python -m data_gen.generate --dataset_type distillation \
