@@ -149,12 +149,13 @@ def two_pass_logits(lm, hooks, deep, plan: PrefillPlan, table: torch.Tensor, num
     second_allowed, query_positions = prompt_rows_layout(plan.lengths, plan.cuts, plan.counts, width,
                                                          num_prompt_tokens, num_ensemble, attention_type)
     rows = second_allowed.shape[1]
-    valid = torch.arange(rows, device=device)[None, :] < plan.counts[:, None] * n_rows  # [B, P]
+    row = torch.arange(rows, device=device)[None, :].expand(batch, -1)  # [B, P]
+    valid = row < plan.counts[:, None] * n_rows
     key_positions = torch.cat([slot[None].expand(batch, -1), query_positions], dim=1)
     second = {kind: to_additive((second_allowed if window is None else
                                  second_allowed & within_window(query_positions, key_positions, window))[:, None],
                                 dtype) for kind, window in kinds.items()}
-    prompt_rows = prompt_row_index(valid, torch.arange(rows, device=device)[None, :].expand(batch, -1) % n_rows)
+    prompt_rows = prompt_row_index(valid, row % n_rows)
     embeds = prompt_embeddings(prompt_rows, table, dtype)  # [B, P, hidden]
     if hooks is not None:
         hooks.set(prompt_rows, deep)
