@@ -168,6 +168,23 @@ def test_cuda_only_modes_are_refused_clearly_on_cpu():
     assert decoder.warmup() == 0.0  # nothing to capture on a CPU
 
 
+def test_autotune_switch_names_inductor_options_and_refuses_unknown_values(monkeypatch):
+    """``$PPD_AUTOTUNE`` turns Inductor's autotuning on for every compilation ppd makes (the step's and the
+    prefill's), adds nothing where it is off, and refuses a value it does not know, naming the variable."""
+    from ppd.decoding.graphs import AUTOTUNE_ENV, inductor_options
+
+    monkeypatch.delenv(AUTOTUNE_ENV, raising=False)
+    assert not {"max_autotune_gemm", "max_autotune_pointwise", "coordinate_descent_tuning"} & set(inductor_options())
+    monkeypatch.setenv(AUTOTUNE_ENV, "gemm")
+    assert inductor_options()["max_autotune_gemm"] is True and "coordinate_descent_tuning" not in inductor_options()
+    assert inductor_options(cudagraphs=True)["triton.cudagraphs"] is True
+    monkeypatch.setenv(AUTOTUNE_ENV, "full")
+    assert {"max_autotune_gemm", "max_autotune_pointwise", "coordinate_descent_tuning"} <= set(inductor_options())
+    monkeypatch.setenv(AUTOTUNE_ENV, "fastest")
+    with pytest.raises(ValueError, match=r"\$PPD_AUTOTUNE must be off, gemm or full, got 'fastest'"):
+        inductor_options()
+
+
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("mode", [CaptureMode.GRAPH, CaptureMode.COMPILED_GRAPH])
 def test_captured_step_equals_eager_step_on_the_gpu(mode, monkeypatch):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import CaptureMode
+from ..config import CaptureMode, env_choice
 from .packed_linear import PackedLinear, ensure_packed
 from .prefill_graphs import PrefillGraphs
 from .state import DecodeState
@@ -104,9 +104,30 @@ def compiled_step(mode: str | None):
     return _COMPILED[mode]
 
 
+AUTOTUNE_ENV = "PPD_AUTOTUNE"
+AUTOTUNE_CHOICES = ("off", "gemm", "full")
+
+
+def autotune_options() -> dict:
+    """Inductor's autotuning as ``$PPD_AUTOTUNE`` asks: ``off`` (the default), ``gemm`` (each matrix product of a
+    compiled step timed over Inductor's Triton templates and the vendor library's kernel, the fastest kept, with
+    the step's elementwise work fused into the template where it can) or ``full`` (``gemm``, with pointwise and
+    reduction kernels' launch settings tuned as well). Tuning makes each compilation longer; its picks land in
+    Inductor's cache like the rest of a compilation."""
+    chosen = env_choice(AUTOTUNE_ENV, AUTOTUNE_CHOICES, "off")
+    if chosen == "off":
+        return {}
+    options = {"max_autotune_gemm": True}
+    if chosen == "full":
+        options.update({"max_autotune_pointwise": True, "coordinate_descent_tuning": True})
+    return options
+
+
 def inductor_options(cudagraphs: bool = False) -> dict:
-    """Options of ppd's compilations (``cudagraphs``: what torch's \"reduce-overhead\" mode sets)."""
+    """Options of ppd's compilations (``cudagraphs``: what torch's \"reduce-overhead\" mode sets; the autotuning
+    that ``$PPD_AUTOTUNE`` asks for)."""
     options = {"triton.cudagraphs": True} if cudagraphs else {}
+    options.update(autotune_options())
     if hasattr(torch._inductor.config.triton, "coalesce_tiling_analysis"):
         # Inductor's coalescing analysis (on by default outside Meta) fails an internal assertion on this
         # step's symbolic sizes once the batch is larger than one (seen with torch 2.11 on an H200); without it
