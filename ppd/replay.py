@@ -68,13 +68,26 @@ def _forward_items(lengths: Sequence[int], starts: Sequence[int], block: int, ma
     return forwards
 
 
-@torch.no_grad()
 def guess_ranks(model: PromptTokenModel, sequences: Sequence[Sequence[int]], starts: Sequence[int], top_k: int,
                 max_cuts_per_forward: int = DEFAULT_CUTS_PER_FORWARD,
                 max_slots_per_forward: int = DEFAULT_SLOTS_PER_FORWARD,
                 progress: Callable[[int], None] | None = None) -> list[np.ndarray]:
     """The top-``top_k`` guess ids of the prompt tokens attached after ``sequence[:t]``, for every cut
-    ``t in [starts[b], len(sequence) - 1]`` of every sequence: one array [positions, N, K] per sequence.
+    ``t in [starts[b], len(sequence) - 1]`` of every sequence: one array [positions, N, K] per sequence
+    (:func:`guess_top` without the probabilities)."""
+    return [ids for ids, _ in guess_top(model, sequences, starts, top_k, max_cuts_per_forward, max_slots_per_forward,
+                                        progress)]
+
+
+@torch.no_grad()
+def guess_top(model: PromptTokenModel, sequences: Sequence[Sequence[int]], starts: Sequence[int], top_k: int,
+              max_cuts_per_forward: int = DEFAULT_CUTS_PER_FORWARD,
+              max_slots_per_forward: int = DEFAULT_SLOTS_PER_FORWARD,
+              progress: Callable[[int], None] | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The top-``top_k`` guesses of the prompt tokens attached after ``sequence[:t]``, for every cut
+    ``t in [starts[b], len(sequence) - 1]`` of every sequence: per sequence, their ids (int64) and the
+    probabilities the prompt tokens give them (float32, the softmax over the whole vocabulary), two arrays
+    [positions, N, K].
 
     ``sequences`` are prompt + answer ids and ``starts`` the prompt lengths (the first decoding step reads
     the prompt tokens of the prefill, cut ``len(prompt)``). Cuts of one sequence share a forward (one block
@@ -96,7 +109,8 @@ def guess_ranks(model: PromptTokenModel, sequences: Sequence[Sequence[int]], sta
         if not 1 <= start <= length:
             raise ValueError(f"sequence {b}: start {start} is outside 1..{length} (its length)")
     n_prompt = config.num_prompt_tokens
-    out = [np.zeros((length - start, n_prompt, top_k), dtype=np.int64) for length, start in zip(lengths, starts)]
+    ids = [np.zeros((length - start, n_prompt, top_k), dtype=np.int64) for length, start in zip(lengths, starts)]
+    probs = [np.zeros((length - start, n_prompt, top_k), dtype=np.float32) for length, start in zip(lengths, starts)]
     remaining = [length - start for length, start in zip(lengths, starts)]
     if progress is not None and (empty := sum(r == 0 for r in remaining)):
         progress(empty)
@@ -110,17 +124,20 @@ def guess_ranks(model: PromptTokenModel, sequences: Sequence[Sequence[int]], sta
         cut_lengths = torch.tensor([t for _, cuts in forward for t in cuts])
         cut_rows = torch.tensor([i for i, (_, cuts) in enumerate(forward) for _ in cuts])
         logits = model.prompt_logits(input_ids, torch.tensor([len(r) for r in rows]), cut_lengths, cut_rows)
-        top = logits.topk(top_k, dim=-1).indices.cpu().numpy()  # [C, N, K]
+        top = logits.topk(top_k, dim=-1)  # [C, N, K]
+        top_ids = top.indices.cpu().numpy()
+        top_probs = (top.values.float() - logits.float().logsumexp(-1, keepdim=True)).exp().cpu().numpy()
         done = 0
         at = 0
         for b, cuts in forward:
-            out[b][cuts[0] - starts[b]: cuts[-1] + 1 - starts[b]] = top[at: at + len(cuts)]
+            where = slice(cuts[0] - starts[b], cuts[-1] + 1 - starts[b])
+            ids[b][where], probs[b][where] = top_ids[at: at + len(cuts)], top_probs[at: at + len(cuts)]
             at += len(cuts)
             remaining[b] -= len(cuts)
             done += remaining[b] == 0
         if progress is not None and done:
             progress(done)
-    return out
+    return list(zip(ids, probs))
 
 
 def match_paths(guesses: np.ndarray, sequence: Sequence[int], start: int) -> list[RankPath]:
