@@ -2,7 +2,7 @@
 
 Usage:
     python -m eval.replay --answers results/answers/mt_bench-baseline.jsonl \\
-        --trees results/trees/tree_*.json [--adapter DIR] [--top_k 10] [--limit K] \\
+        --trees results/trees/tree_*.json [--choices fixed confident] [--adapter DIR] [--top_k 10] [--limit K] \\
         [--paths_output results/trees/path_stats.json] [--output results/replay/mt_bench.json]
     python -m eval.replay --conversations data/self_distill --eval_size 0.02 --seed 42 --trees ...
 
@@ -13,10 +13,11 @@ the reply. ``--eval_size``/``--seed`` pick the same held-out conversations as ``
 does on that dataset (``--eval_size 0``: all of them). One packed forward per answer gives the prompt
 tokens' guesses at every position; ``ppd.replay`` then counts the steps greedy PPD takes with each tree set
 (by default the one the decoder would use: ``--tree``, the adapter's for this device and dtype, or the
-packaged one). ``--paths_output`` writes how often each path of ranks was accepted, for
-``eval.build_trees --paths``: count them on held-out conversations, never on benchmark answers, so that the
-trees are not fitted to the questions they are measured on. Replaying answers made in another dtype takes
-their text as this dtype's.
+packaged one), each as its file says or, with ``--choices``, with its candidates chosen each way named
+(``fixed`` paths, or ``confident``: chosen per step from the guesses' probabilities). ``--paths_output``
+writes how often each path of ranks was accepted, for ``eval.build_trees --paths``: count them on held-out
+conversations, never on benchmark answers, so that the trees are not fitted to the questions they are
+measured on. Replaying answers made in another dtype takes their text as this dtype's.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ from tqdm.auto import tqdm
 from ppd.chat import chat_input_ids
 from ppd.cli import LOAD_ERRORS, add_adapter_args, add_model_args, load_decoder_or_exit
 from ppd.models import DEFAULT_MODEL, resolve_model
-from ppd.replay import DEFAULT_CUTS_PER_FORWARD, DEFAULT_SLOTS_PER_FORWARD, PathStats, guess_ranks, match_paths, replay
+from ppd.replay import DEFAULT_CUTS_PER_FORWARD, DEFAULT_SLOTS_PER_FORWARD, PathStats, guess_top, match_paths, replay
 from ppd.training import PromptTokenModel, heldout_split
-from ppd.tree import TreeSet
+from ppd.tree import CandidateChoice, TreeSet
 
 from .benchmarks import load_benchmark
 from .gen_answers import prompt_ids, turn_messages
@@ -62,6 +63,9 @@ def make_parser() -> argparse.ArgumentParser:
     add_adapter_args(parser)
     parser.add_argument("--trees", nargs="+", default=None,
                         help="tree-set JSON files to replay (default: the tree set the decoder would use)")
+    parser.add_argument("--choices", nargs="+", choices=[c.value for c in CandidateChoice], default=None,
+                        help="replay each tree set with its candidates chosen each of these ways (default: as each "
+                             "set says)")
     parser.add_argument("--top_k", type=int, default=None,
                         help=f"ranks kept per guess (default: the trees' largest top_k, at least {MIN_TOP_K})")
     parser.add_argument("--limit", type=int, default=None, help="replay the first K answers only")
@@ -220,22 +224,25 @@ def main(argv: list[str] | None = None) -> int:
 
     model = PromptTokenModel(loaded.model, prompt_tokens)
     with tqdm(total=len(answers), unit="answer", desc="guesses") as bar:
-        guesses = guess_ranks(model, [a.prompt + a.tokens for a in answers], [len(a.prompt) for a in answers], top_k,
-                              args.cuts_per_forward, args.slots_per_forward, progress=bar.update)
-    paths = [match_paths(g, a.prompt + a.tokens, len(a.prompt)) for g, a in zip(guesses, answers)]
+        guesses = guess_top(model, [a.prompt + a.tokens for a in answers], [len(a.prompt) for a in answers], top_k,
+                            args.cuts_per_forward, args.slots_per_forward, progress=bar.update)
+    paths = [match_paths(ids, a.prompt + a.tokens, len(a.prompt)) for (ids, _), a in zip(guesses, answers)]
     new_tokens = sum(len(a.tokens) for a in answers)
     V = prompt_tokens.num_ensemble
     results = []
-    for name, tree_set in trees.items():
-        steps = sum(replay(tree_set, p, len(a.tokens))[1] for p, a in zip(paths, answers))
-        results.append({"tree": name, "rows": tree_set.max_rows(V), "top_k": tree_set.top_k, "new_tokens": new_tokens,
-                        "steps": steps, "accept_length": new_tokens / steps if steps else float(new_tokens)})
+    for name, named_set in trees.items():
+        for tree_set in [named_set.chosen(c) for c in args.choices] if args.choices else [named_set]:
+            steps = sum(replay(tree_set, p, len(a.tokens), log_probs)[1]
+                        for p, a, (_, log_probs) in zip(paths, answers, guesses))
+            results.append({"tree": name, "choice": tree_set.choice.value, "rows": tree_set.max_rows(V),
+                            "top_k": tree_set.top_k, "new_tokens": new_tokens, "steps": steps,
+                            "accept_length": new_tokens / steps if steps else float(new_tokens)})
 
     print(f"{len(answers)} answers, {new_tokens} tokens, {loaded.adapter} prompt tokens, {dtype}")
-    print("| tree | rows per step | accept length |")
-    print("|---|---|---|")
+    print("| tree | choice | rows per step | accept length |")
+    print("|---|---|---|---|")
     for r in results:
-        print(f"| {r['tree']} | {r['rows']} | {r['accept_length']:.3f} |")
+        print(f"| {r['tree']} | {r['choice']} | {r['rows']} | {r['accept_length']:.3f} |")
     if args.paths_output:
         stats = PathStats(prompt_tokens.num_prompt_tokens, top_k, metadata={
             "source": source, "model": loaded.info.model_id, "adapter": loaded.adapter, "num_ensemble": V,

@@ -7,6 +7,7 @@ that ``--model`` (alias ``--model_name_or_path``) and ``--adapter`` mean the sam
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from dataclasses import dataclass
@@ -15,7 +16,8 @@ from .config import CaptureMode, DecodeConfig, StepAttention
 from .decoder import Decoder, eos_ids_of
 from .adapter import AdapterFiles, TreeChoice, prompt_tokens_and_trees
 from .models import DEFAULT_MODEL, ModelInfo, load_model
-from .tree import TreeSet
+from .tree import CandidateChoice, TreeSet
+from .tree_builder import default_tree_set
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +48,10 @@ def add_adapter_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tree", default=None, help="tree set JSON, used at every batch size (default: the adapter's "
                                                       "batch policy or tree for this device type and dtype if it ships "
                                                       "one, else the packaged default.json)")
+    group.add_argument("--tree_choice", choices=[c.value for c in CandidateChoice], default=None,
+                       help="where each step's candidates come from: fixed (the tree's paths) or confident (as many "
+                            "candidates as the tree has, the paths this step's guesses are surest of) "
+                            "(default: as the tree set says, fixed unless it names another)")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -117,6 +123,15 @@ def load_decoder(args: argparse.Namespace, with_prompt_tokens: bool = True) -> L
     files, choice = None, TreeChoice(None, None, "none")
     if with_prompt_tokens:
         files, choice = prompt_tokens_and_trees(model, tokenizer, info, given, given_trees, str(tree))
+        if (picked := getattr(args, "tree_choice", None)) is not None:
+            trees = choice.trees
+            if trees is None and choice.policy is None:  # the packaged default the decoder would take
+                config = files.prompt_tokens.config
+                trees = default_tree_set(config.num_prompt_tokens, config.num_ensemble)
+            choice = dataclasses.replace(
+                choice, trees=trees.chosen(picked) if trees is not None else None,
+                policy=choice.policy.chosen(picked) if choice.policy is not None else None,
+                source=f"{choice.source} ({picked})")
     decoder = Decoder(model, files.prompt_tokens if files else None, choice.trees,
                       eos_token_ids=eos_ids_of(model, tokenizer), max_seq_len=getattr(args, "max_seq_len", None),
                       policy=choice.policy,

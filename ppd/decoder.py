@@ -27,6 +27,7 @@ from .decoding.state import DecodeState, StatePool
 from .decoding.step import LanguageModel, StepKind
 from .decoding.support import UnsupportedModelError, checked_tree_attention
 from .decoding.tree_attention import BLOCK, MIN_CHUNK
+from .decoding.confident import build_tables
 from .decoding.tables import MIN_SIZE, TreeTables
 from .deep_prompts import deep_weights, hooks_for, merge_maps, merges_maps
 from .policy import BatchPolicy
@@ -171,7 +172,7 @@ class Decoder:
             top_k = max(t.top_k for t in sets)
             for tree_set in sets:
                 if id(tree_set) not in self._tables_of:
-                    self._tables_of[id(tree_set)] = TreeTables.build(
+                    self._tables_of[id(tree_set)] = build_tables(
                         tree_set, v, prompt_tokens.config.attention_type, self.device, top_k=top_k)
             self.tables = self._tables_of[id(trees)]
         self.trees = trees

@@ -14,11 +14,11 @@ conversation grows long, the decoder runs the one-row step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .files import atomic_write_json, check_format_version, load_json_file
-from .tree import TreeSet
+from .tree import CandidateChoice, TreeSet
 
 POLICY_FORMAT_VERSION = 1
 
@@ -58,6 +58,12 @@ class BatchPolicy:
     def max_width_for(self, size: int) -> int | None:
         """The widest attention (cache slots) a batch of ``size`` rows runs its tree at (``None``: any)."""
         return self.max_widths[self._index(size)]
+
+    def chosen(self, choice: CandidateChoice | str) -> "BatchPolicy":
+        """The same policy with every tree set's candidates chosen as ``choice`` says."""
+        made: dict[int, TreeSet] = {}
+        trees = tuple(None if t is None else made.setdefault(id(t), t.chosen(choice)) for t in self.trees)
+        return replace(self, trees=trees)
 
     @property
     def tree_sets(self) -> list[TreeSet]:

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from .files import atomic_write_json, check_format_version, load_json_file
+from .decoding.confident import best_paths
 from .tree import TreeSet
 from .tree_builder import CHAIN_WIDTH
 from .training import PromptTokenModel
@@ -86,8 +87,8 @@ def guess_top(model: PromptTokenModel, sequences: Sequence[Sequence[int]], start
               progress: Callable[[int], None] | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
     """The top-``top_k`` guesses of the prompt tokens attached after ``sequence[:t]``, for every cut
     ``t in [starts[b], len(sequence) - 1]`` of every sequence: per sequence, their ids (int64) and the
-    probabilities the prompt tokens give them (float32, the softmax over the whole vocabulary), two arrays
-    [positions, N, K].
+    log-probabilities the prompt tokens give them (float32, over the whole vocabulary, as the decoder computes
+    them), two arrays [positions, N, K].
 
     ``sequences`` are prompt + answer ids and ``starts`` the prompt lengths (the first decoding step reads
     the prompt tokens of the prefill, cut ``len(prompt)``). Cuts of one sequence share a forward (one block
@@ -110,7 +111,8 @@ def guess_top(model: PromptTokenModel, sequences: Sequence[Sequence[int]], start
             raise ValueError(f"sequence {b}: start {start} is outside 1..{length} (its length)")
     n_prompt = config.num_prompt_tokens
     ids = [np.zeros((length - start, n_prompt, top_k), dtype=np.int64) for length, start in zip(lengths, starts)]
-    probs = [np.zeros((length - start, n_prompt, top_k), dtype=np.float32) for length, start in zip(lengths, starts)]
+    log_probs = [np.zeros((length - start, n_prompt, top_k), dtype=np.float32)
+                 for length, start in zip(lengths, starts)]
     remaining = [length - start for length, start in zip(lengths, starts)]
     if progress is not None and (empty := sum(r == 0 for r in remaining)):
         progress(empty)
@@ -126,18 +128,18 @@ def guess_top(model: PromptTokenModel, sequences: Sequence[Sequence[int]], start
         logits = model.prompt_logits(input_ids, torch.tensor([len(r) for r in rows]), cut_lengths, cut_rows)
         top = logits.topk(top_k, dim=-1)  # [C, N, K]
         top_ids = top.indices.cpu().numpy()
-        top_probs = (top.values.float() - logits.float().logsumexp(-1, keepdim=True)).exp().cpu().numpy()
+        top_log_probs = (top.values.float() - logits.float().logsumexp(-1, keepdim=True)).cpu().numpy()
         done = 0
         at = 0
         for b, cuts in forward:
             where = slice(cuts[0] - starts[b], cuts[-1] + 1 - starts[b])
-            ids[b][where], probs[b][where] = top_ids[at: at + len(cuts)], top_probs[at: at + len(cuts)]
+            ids[b][where], log_probs[b][where] = top_ids[at: at + len(cuts)], top_log_probs[at: at + len(cuts)]
             at += len(cuts)
             remaining[b] -= len(cuts)
             done += remaining[b] == 0
         if progress is not None and done:
             progress(done)
-    return list(zip(ids, probs))
+    return list(zip(ids, log_probs))
 
 
 def match_paths(guesses: np.ndarray, sequence: Sequence[int], start: int) -> list[RankPath]:
@@ -156,9 +158,12 @@ def match_paths(guesses: np.ndarray, sequence: Sequence[int], start: int) -> lis
     return [tuple(int(r) for r in ranks[j, : depth[j]]) for j in range(positions)]
 
 
-def replay(trees: TreeSet, paths: Sequence[RankPath], answer_length: int) -> tuple[int, int]:
+def replay(trees: TreeSet, paths: Sequence[RankPath], answer_length: int,
+           log_probs: np.ndarray | None = None) -> tuple[int, int]:
     """``(new_tokens, steps)`` that greedy PPD with ``trees`` takes for an answer of ``answer_length`` tokens
     whose match paths are ``paths`` (``paths[j]`` at cut ``len(prompt) + j``, :func:`match_paths`).
+    A ``confident`` tree set chooses each step's tree from the guesses' ``log_probs`` [positions, N, K]
+    (from :func:`guess_top`) as the decoder does (``ppd.decoding.confident``).
 
     As the decoder: the prefill emits the answer's first token and reads the first guesses (key N); a
     step accepts the deepest tree path that is a prefix of the match path, emits it and the next root, and
@@ -170,11 +175,13 @@ def replay(trees: TreeSet, paths: Sequence[RankPath], answer_length: int) -> tup
     if len(paths) < answer_length - 1:
         raise ValueError(f"an answer of {answer_length} tokens needs match paths at {answer_length - 1} cuts at "
                          f"least, got {len(paths)}")
+    if trees.confident and log_probs is None:
+        raise ValueError("a confident tree set chooses its trees from the guesses' log-probabilities: pass them")
     attached = {key: {(): tree.root_prompt_tokens, **dict(zip(tree.paths, tree.prompt_tokens))}
                 for key, tree in trees.trees.items()}
     emitted, steps, key = 1, 0, trees.num_prompt_tokens
     while emitted < answer_length:
-        nodes = attached[key]
+        nodes = chosen_tree(trees, key, log_probs[emitted - 1]) if trees.confident else attached[key]
         match = paths[emitted - 1]
         depth = 0
         while depth < len(match) and match[: depth + 1] in nodes:
@@ -183,6 +190,25 @@ def replay(trees: TreeSet, paths: Sequence[RankPath], answer_length: int) -> tup
         emitted += depth + 1
         steps += 1
     return answer_length, steps
+
+
+def chosen_tree(trees: TreeSet, key: int, log_probs: np.ndarray) -> dict[RankPath, int]:
+    """The tree a ``confident`` set verifies at a step with depth key ``key`` and guesses' ``log_probs`` [N, K]:
+    each chosen path with its attached prompt-token count, the root (``()``) included."""
+    tree = trees.trees[key]
+    slots = len(tree.paths)
+    nodes = {(): tree.root_prompt_tokens}
+    if not slots:
+        return nodes
+    score, depth, rank, parent = (t[0].tolist() for t in best_paths(
+        torch.from_numpy(np.ascontiguousarray(log_probs))[None], torch.tensor([key]), slots, trees.top_k))
+    chosen: list[RankPath] = []
+    for i in range(slots):
+        if score[i] == float("-inf"):
+            break
+        chosen.append((chosen[parent[i]] if parent[i] >= 0 else ()) + (rank[i],))
+    nodes.update(zip(chosen, sorted(tree.prompt_tokens, reverse=True)))
+    return nodes
 
 
 @dataclass

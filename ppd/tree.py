@@ -6,17 +6,24 @@ element k of a path picks the rank-``path[k]`` token of the k-th prompt distribu
 the root included, carries ``1..N`` attached prompt tokens that draft the next step; the next step uses
 the tree whose key equals the count attached to the last accepted node.
 
+A tree set's ``choice`` says where each step's candidates come from: ``fixed`` (the default), the paths as
+written; ``confident``, as many candidates as the key's tree has, chosen anew at every step as the rank paths
+(no deeper than the key) with the largest products of the prompt tokens' probabilities, and the tree's
+attached prompt-token counts handed out largest first in that order: each step has the written tree's rows,
+spent where this step's guesses are surest (``ppd.decoding.confident``).
+
 JSON layout (``ppd/trees/*.json``)::
 
-    {"format_version": 1, "num_prompt_tokens": 3, "top_k": 10, "metadata": {...},
+    {"format_version": 1, "num_prompt_tokens": 3, "top_k": 10, "metadata": {...}, "choice": "fixed",
      "trees": {"3": {"root_prompt_tokens": 3,
                      "nodes": [{"path": [0], "prompt_tokens": 3}, {"path": [0, 0], "prompt_tokens": 2}]}}}
 """
 
 from __future__ import annotations
 
+import enum
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 
@@ -79,6 +86,13 @@ class Tree:
         )
 
 
+class CandidateChoice(str, enum.Enum):
+    """Where a step's candidates come from (see the module's docstring)."""
+
+    FIXED = "fixed"
+    CONFIDENT = "confident"
+
+
 @dataclass(frozen=True)
 class TreeSet:
     """One tree per depth key 1..N, read from and written to JSON."""
@@ -87,8 +101,10 @@ class TreeSet:
     top_k: int
     trees: dict[int, Tree]
     metadata: dict = field(default_factory=dict)
+    choice: CandidateChoice = CandidateChoice.FIXED
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "choice", CandidateChoice(self.choice))
         n, k = self.num_prompt_tokens, self.top_k
         if set(self.trees) != set(range(1, n + 1)):
             raise ValueError(f"a tree set for N={n} needs trees for depth keys 1..{n}, got {sorted(self.trees)}")
@@ -105,23 +121,36 @@ class TreeSet:
     def max_rows(self, num_ensemble: int) -> int:
         return max(tree.num_rows(num_ensemble) for tree in self.trees.values())
 
+    @property
+    def confident(self) -> bool:
+        return self.choice is CandidateChoice.CONFIDENT
+
+    def chosen(self, choice: CandidateChoice | str) -> "TreeSet":
+        """The same trees with candidates chosen as ``choice`` says."""
+        return replace(self, choice=CandidateChoice(choice))
+
     def to_json(self) -> dict:
         return {
             "format_version": TREE_FORMAT_VERSION,
             "num_prompt_tokens": self.num_prompt_tokens,
             "top_k": self.top_k,
             "metadata": self.metadata,
+            "choice": self.choice.value,
             "trees": {str(key): self.trees[key].to_json() for key in sorted(self.trees)},
         }
 
     @classmethod
     def from_json(cls, data: dict) -> "TreeSet":
         check_format_version(data, TREE_FORMAT_VERSION, "tree file")
+        choice = data.get("choice", CandidateChoice.FIXED.value)
+        if choice not in {c.value for c in CandidateChoice}:
+            raise ValueError(f"a tree file's choice must be one of {[c.value for c in CandidateChoice]}, got {choice!r}")
         return cls(
             num_prompt_tokens=int(data["num_prompt_tokens"]),
             top_k=int(data["top_k"]),
             trees={int(key): Tree.from_json(tree) for key, tree in data["trees"].items()},
             metadata=dict(data.get("metadata", {})),
+            choice=CandidateChoice(choice),
         )
 
     def save(self, path: str | Path) -> None:

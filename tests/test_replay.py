@@ -72,18 +72,18 @@ def test_guess_ranks_do_not_depend_on_how_cuts_are_packed():
         for a, b, s, t in zip(whole, split, sequences, starts):
             assert a.shape == b.shape == (len(s) - t, 3, 8)
             assert np.array_equal(a, b)
-    # With the probabilities: the same ids, and each the softmax of its prompt token's logits at that cut.
+    # With the log-probabilities: the same ids, each its prompt token's log-softmax at that cut.
     top = guess_top(scorer, sequences, starts, 8, max_cuts_per_forward=7, max_slots_per_forward=64)
-    for (ids, probs), expected in zip(top, whole):
-        assert np.array_equal(ids, expected) and probs.dtype == np.float32
-        assert (np.diff(probs, axis=-1) <= 0).all() and (probs.sum(-1) <= 1 + 1e-5).all()
+    for (ids, log_probs), expected in zip(top, whole):
+        assert np.array_equal(ids, expected) and log_probs.dtype == np.float32
+        assert (np.diff(log_probs, axis=-1) <= 0).all() and (np.exp(log_probs).sum(-1) <= 1 + 1e-5).all()
     b = next(i for i, (s, t) in enumerate(zip(sequences, starts)) if t < len(s))
     t = starts[b]
     with torch.no_grad():
         logits = scorer.prompt_logits(torch.tensor([sequences[b][:t]]), torch.tensor([t]), torch.tensor([t]),
                                       torch.tensor([0]))[0]  # [N, vocab] at cut t
-    direct = logits.softmax(-1).gather(-1, torch.as_tensor(top[b][0][0]))
-    assert np.allclose(top[b][1][0], direct.numpy(), rtol=1e-5, atol=1e-7)
+    direct = logits.log_softmax(-1).gather(-1, torch.as_tensor(top[b][0][0]))
+    assert np.allclose(top[b][1][0], direct.numpy(), rtol=1e-5, atol=1e-6)
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ from ..prefill import average_copies, build_prefill
 from .graphs import StepRunner, captures_graphs, compile_limits, compiles_prefill, inductor_options, resolve_mode
 from .prefill_graphs import PrefillGraphs
 from .state import LENGTH, MAX_LENGTH, REASONS, REPORT_HEAD, DecodeState
-from .step import LanguageModel, StepKind, next_tokens, start_rows
+from .step import LanguageModel, StepKind, next_tokens, set_guesses, start_rows
 from .tables import TreeTables
 
 if TYPE_CHECKING:
@@ -327,7 +327,6 @@ def prefill(decoder: "Decoder", batch: list[list[int]], state: DecodeState, use_
     first = state.rows(0, n)
     state.root[:n] = next_tokens(rows[:, 0], first, kind, first.generated)  # output token 0
     if use_ppd:
-        guesses = average_copies(rows[:, 1:], n_prompt, V).topk(decoder.guess_k, dim=-1).indices
-        state.guesses[:n] = guesses
+        set_guesses(state, average_copies(rows[:, 1:], n_prompt, V), decoder.guess_k, n)
         state.key[:n] = n_prompt
     start_rows(state)

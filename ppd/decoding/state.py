@@ -8,7 +8,8 @@ captured graphs stay valid. The step reads and updates these tensors in place; t
 Per batch row b (a bucket may hold padding rows, which start finished):
 
 - ``lengths[b]``: committed cache entries; ``root[b]``: the next token, not yet in the cache;
-  ``guesses[b]``: top-K guesses [N, K] of the prompt tokens attached to the last accepted node;
+  ``guesses[b]``: top-K guesses [N, K] of the prompt tokens attached to the last accepted node, and
+  ``guess_log_probs[b]`` their log-probabilities;
   ``key[b]``: how many of them exist (the depth key of the next tree).
 - ``generated[b]`` / ``limit[b]``: tokens emitted so far and allowed; ``reason[b]``: why the row stopped
   (:data:`RUNNING`, :data:`EOS`, :data:`LENGTH`, :data:`MAX_LENGTH`), ``limit_reason[b]`` the reason its
@@ -53,6 +54,7 @@ class DecodeState:
         self.lengths = longs(B)
         self.root = longs(B)
         self.guesses = longs(B, max(num_prompt_tokens, 1), max(top_k, 1))
+        self.guess_log_probs = torch.zeros(B, max(num_prompt_tokens, 1), max(top_k, 1), device=device)
         self.key = longs(B)
         self.generated = longs(B)
         self.limit = longs(B)
@@ -73,9 +75,9 @@ class DecodeState:
         self.slot_ids = torch.arange(capacity, device=device)
 
     # Every per-row buffer except the KV cache.
-    ROW_BUFFERS = ("lengths", "root", "guesses", "key", "generated", "limit", "reason", "limit_reason", "eos",
-                   "report", "seed", "temperature", "top_k", "top_p", "typical", "posterior_threshold",
-                   "posterior_alpha", "greedy")
+    ROW_BUFFERS = ("lengths", "root", "guesses", "guess_log_probs", "key", "generated", "limit", "reason",
+                   "limit_reason", "eos", "report", "seed", "temperature", "top_k", "top_p", "typical",
+                   "posterior_threshold", "posterior_alpha", "greedy")
 
     def row_tensors(self) -> list[torch.Tensor]:
         return [getattr(self, name) for name in self.ROW_BUFFERS]
@@ -113,7 +115,8 @@ class DecodeState:
 
     def small_tensors(self) -> list[torch.Tensor]:
         """Every buffer a step changes except the KV cache, whose changes past ``lengths`` are stale anyway."""
-        return [self.lengths, self.root, self.guesses, self.key, self.generated, self.reason, self.report]
+        return [self.lengths, self.root, self.guesses, self.guess_log_probs, self.key, self.generated, self.reason,
+                self.report]
 
     def snapshot(self) -> list[torch.Tensor]:
         return [t.clone() for t in self.small_tensors()]

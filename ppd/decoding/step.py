@@ -30,7 +30,7 @@ from .state import EOS, REPORT_HEAD, RUNNING, DecodeState
 from .kv_cache import cache_keyword
 from .support import LogitTransform, UnsupportedModelError, checked_transform, refuse_by_design
 from . import grouped_attention, tree_attention
-from .tables import TreeTables
+from .tables import RowTrees, TreeTables
 
 
 @dataclass
@@ -134,6 +134,24 @@ def next_tokens(logits: torch.Tensor, state: DecodeState, kind: StepKind, index:
     return torch.where(state.greedy, greedy, sampled)
 
 
+def set_guesses(state: DecodeState, prompt_logits: torch.Tensor, top_k: int, rows: int | None = None,
+                log_probs: bool = True) -> None:
+    """The next step's guesses of the first ``rows`` rows (all by default) from their prompt tokens' logits
+    [rows, N, vocab]: the top-``top_k`` ids and, with ``log_probs``, their log-probabilities (what confident
+    trees choose by; a step of fixed trees skips the reduction over the vocabulary they cost)."""
+    top = prompt_logits.topk(top_k, dim=-1)
+    if rows is None:  # (no slice by the batch size: a compiled step would specialise on it)
+        state.guesses.copy_(top.indices)
+    else:
+        state.guesses[:rows] = top.indices
+    if log_probs:
+        found = top.values.float() - prompt_logits.float().logsumexp(-1, keepdim=True)
+        if rows is None:
+            state.guess_log_probs.copy_(found)
+        else:
+            state.guess_log_probs[:rows] = found
+
+
 def stop_rows(state: DecodeState, emitted: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Cut each row's ``emitted[b, :count[b]]`` at its first EOS or its token limit.
 
@@ -185,6 +203,7 @@ class Candidates:
     offsets: torch.Tensor  # long [B, T]: position of each row minus the root's
     allowed: torch.Tensor  # bool [B, T, T] (or [T, T]): which rows see which
     prompt_rows: torch.Tensor | None = None  # long [B, T]: prompt-table row + 1 of each row, 0 for a node
+    trees: RowTrees | None = None  # each row's tree this step (None: one autoregressive row)
 
 
 def generate_candidates(lm: LanguageModel, tables: TreeTables | None, prompt_embeds: torch.Tensor | None,
@@ -194,14 +213,14 @@ def generate_candidates(lm: LanguageModel, tables: TreeTables | None, prompt_emb
         node_tokens = state.root[:, None]  # [B, 1]
         allowed = torch.ones(1, 1, dtype=torch.bool, device=node_tokens.device)
         return Candidates(node_tokens, lm.embed(node_tokens), torch.zeros_like(node_tokens), allowed)
-    key = state.key
-    candidates = state.guesses.flatten(1).gather(1, tables.candidate_index[key])  # [B, C]
+    trees = tables.for_rows(state)
+    candidates = state.guesses.flatten(1).gather(1, trees.candidate_index)  # [B, C]
     node_tokens = torch.cat([state.root[:, None], candidates], dim=1)
-    embeds = torch.cat([lm.embed(node_tokens), prompt_embeds[key]], dim=1)
+    embeds = torch.cat([lm.embed(node_tokens), prompt_embeds[state.key]], dim=1)
     prompt_rows = None
     if lm.offsets is not None:
-        prompt_rows = torch.cat([torch.zeros_like(node_tokens), tables.prompt_index[key] + 1], dim=1)
-    return Candidates(node_tokens, embeds, tables.position_offset[key], tables.allowed[key], prompt_rows)
+        prompt_rows = torch.cat([torch.zeros_like(node_tokens), trees.prompt_index + 1], dim=1)
+    return Candidates(node_tokens, embeds, trees.position_offset, trees.allowed, prompt_rows, trees)
 
 
 def tree_decoding(lm: LanguageModel, state: DecodeState, rows: Candidates, slot_ids: torch.Tensor) -> torch.Tensor:
@@ -248,20 +267,20 @@ def evaluate_posterior(tables: TreeTables | None, state: DecodeState, rows: Cand
     if tables is None:
         zero = torch.zeros_like(state.root)
         return zero[:, None], zero, next_tokens(node_logits[:, 0], state, kind, generated)
-    key = state.key
+    trees = rows.trees
     batch = torch.arange(node_logits.shape[0], device=node_logits.device)
-    parents = tables.parent_row[key]
+    parents = trees.parent_row
 
     def longest(verdict: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The longest path of candidates that ``verdict`` accepts: its rows, its length, the logits after it."""
-        best, accepted = longest_accepted_path(verdict, tables.retrieve_indices[key], tables.retrieve_valid[key])
-        path = tables.retrieve_indices[key][batch, best]
+        best, accepted = longest_accepted_path(verdict, trees.retrieve_indices, trees.retrieve_valid)
+        path = trees.retrieve_indices[batch, best]
         return path, accepted, node_logits[batch, path.gather(1, accepted[:, None])[:, 0]]
 
     if kind.greedy:
         path, accepted, last_logits = longest(accept_candidates(node_logits, rows.node_tokens, parents, True))
         return path, accepted, last_logits.argmax(-1)
-    path, accepted, root = walk_tree(node_logits, rows.node_tokens, parents, tables.is_candidate[key], tables.depth,
+    path, accepted, root = walk_tree(node_logits, rows.node_tokens, parents, trees.is_candidate, tables.depth,
                                      lambda logits, depth: next_tokens(logits, state, kind, generated + depth))
     if kind.typical:
         typical_path, typical_accepted, last_logits = longest(accept_candidates(
@@ -286,16 +305,16 @@ def update_inference_inputs(lm: LanguageModel, tables: TreeTables | None, state:
     emitted = emitted.scatter(1, accepted[:, None], new_root[:, None])  # accepted candidates, then the root
     if tables is not None:
         last = path.gather(1, accepted[:, None])[:, 0]  # tree row of the last accepted node
-        key = state.key
-        prompt_rows = tables.node_prompt_rows[key][batch, last]  # [B, N * V]
+        trees = rows.trees
+        prompt_rows = trees.node_prompt_rows[batch, last]  # [B, N * V]
         if row_logits is None:
             prompt_hidden = hidden.gather(1, prompt_rows[..., None].expand(-1, -1, hidden.shape[-1]))
             prompt_logits = lm.logits(prompt_hidden)
         else:
             prompt_logits = row_logits.gather(1, prompt_rows[..., None].expand(-1, -1, row_logits.shape[-1]))
         prompt_logits = average_copies(prompt_logits, tables.num_prompt_tokens, tables.num_ensemble)
-        state.guesses.copy_(prompt_logits.topk(tables.top_k, dim=-1).indices)
-        state.key.copy_(torch.where(running, tables.node_prompt_count[key][batch, last], key))
+        set_guesses(state, prompt_logits, tables.top_k, log_probs=tables.confident)
+        state.key.copy_(torch.where(running, trees.node_prompt_count[batch, last], state.key))
         state.kv.compact(state.lengths[:, None] + path, state.lengths)
     state.root.copy_(torch.where(running, new_root, state.root))
     committed = torch.where(running, accepted + 1, 0)

@@ -24,6 +24,24 @@ MIN_SIZE = 2  # the least padded size of every tree dimension (see ``TreeTables.
 
 
 @dataclass
+class RowTrees:
+    """Each batch row's tree for one step (the shapes of :class:`TreeTables` without the key axis, with a batch
+    axis): gathered by the rows' keys from a fixed tree set's tables, or chosen for this step
+    (``ppd.decoding.confident``)."""
+
+    candidate_index: torch.Tensor  # long [B, C]
+    parent_row: torch.Tensor  # long [B, C]
+    is_candidate: torch.Tensor  # bool [B, C]
+    prompt_index: torch.Tensor  # long [B, T-1-C]
+    position_offset: torch.Tensor  # long [B, T]
+    allowed: torch.Tensor  # bool [B, T, T]
+    retrieve_indices: torch.Tensor  # long [B, P, depth + 1]
+    retrieve_valid: torch.Tensor  # bool [B, P, depth + 1]
+    node_prompt_rows: torch.Tensor  # long [B, 1+C, N*V]
+    node_prompt_count: torch.Tensor  # long [B, 1+C]
+
+
+@dataclass
 class TreeTables:
     num_prompt_tokens: int  # N
     num_ensemble: int  # V
@@ -42,6 +60,16 @@ class TreeTables:
     node_prompt_rows: torch.Tensor  # long [N+1, 1+C, N*V]: rows of each node's attached prompt tokens
     node_prompt_count: torch.Tensor  # long [N+1, 1+C]: prompt tokens attached to each node (the next key)
     max_offset: int  # largest position offset of any row of any tree
+
+    confident = False  # candidates chosen per step (``ppd.decoding.confident.ConfidentTables``)
+
+    def for_rows(self, state) -> RowTrees:
+        """Each row's tree this step: its key's tables (``state``: a ``DecodeState``)."""
+        key = state.key
+        return RowTrees(self.candidate_index[key], self.parent_row[key], self.is_candidate[key],
+                        self.prompt_index[key], self.position_offset[key], self.allowed[key],
+                        self.retrieve_indices[key], self.retrieve_valid[key], self.node_prompt_rows[key],
+                        self.node_prompt_count[key])
 
     @property
     def most_emitted(self) -> int:
