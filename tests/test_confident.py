@@ -4,6 +4,7 @@ lossless (greedy == transformers' greedy, eager and compiled), and replay gives 
 from __future__ import annotations
 
 import itertools
+import json
 import random
 
 import numpy as np
@@ -131,3 +132,19 @@ def test_sampled_with_confident_trees_writes_the_baselines_text_for_the_same_see
         assert [o.token_ids for o in ppd] == [o.token_ids for o in baseline]
         guessed += sum(o.new_tokens - o.steps for o in ppd)
     assert guessed > 3 * 2 + 12  # guesses were accepted (each answer's first token comes from the prefill)
+
+
+def test_the_real_model_writes_its_greedy_text_with_confident_trees():
+    """`--tree_choice confident` on the real default model and its shipped trees: the baseline's tokens."""
+    from .test_generate_cli import run
+
+    records = {}
+    for method, extra in (("ppd", ["--tree_choice", "confident"]), ("baseline", [])):
+        proc = run("--model", "smollm2-135m-instruct", "--prompt", "List three uses of a paperclip.",
+                   "--max_new_tokens", "48", "--method", method, "--capture", "eager", "--json", *extra)
+        assert proc.returncode == 0, proc.stderr
+        records[method] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert records["ppd"]["token_ids"] == records["baseline"]["token_ids"]
+    assert records["ppd"]["accept_length"] > 1.3
+    proc = run("--model", "smollm2-135m-instruct", "--prompt", "Hi", "--tree_choice", "widest")
+    assert proc.returncode == 2 and "--tree_choice: invalid choice" in proc.stderr
