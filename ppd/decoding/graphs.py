@@ -142,6 +142,8 @@ def _mark_tree_sizes(tables: TreeTables, prompt_embeds: torch.Tensor) -> None:
              (tables.position_offset, (1,)), (tables.allowed, (1, 2)), (tables.retrieve_indices, (1, 2)),
              (tables.retrieve_valid, (1, 2)), (tables.node_prompt_rows, (1,)), (tables.node_prompt_count, (1,)),
              (prompt_embeds, (1,))]
+    if tables.confident:  # the layout of a confident set's prompt rows (``ppd.decoding.confident``)
+        sized += [(tables.prompt_owner, (1,)), (tables.prompt_level, (1,)), (tables.prompt_used, (1,))]
     for tensor, dims in sized:
         for dim in dims:
             torch._dynamo.maybe_mark_dynamic(tensor, dim)
