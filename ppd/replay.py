@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from .files import atomic_write_json, check_format_version, load_json_file
-from .decoding.confident import best_paths
+from .decoding.confident import best_paths, top_guesses
 from .tree import TreeSet
 from .tree_builder import CHAIN_WIDTH
 from .training import PromptTokenModel
@@ -126,9 +126,7 @@ def guess_top(model: PromptTokenModel, sequences: Sequence[Sequence[int]], start
         cut_lengths = torch.tensor([t for _, cuts in forward for t in cuts])
         cut_rows = torch.tensor([i for i, (_, cuts) in enumerate(forward) for _ in cuts])
         logits = model.prompt_logits(input_ids, torch.tensor([len(r) for r in rows]), cut_lengths, cut_rows)
-        top = logits.topk(top_k, dim=-1)  # [C, N, K]
-        top_ids = top.indices.cpu().numpy()
-        top_log_probs = (top.values.float() - logits.float().logsumexp(-1, keepdim=True)).cpu().numpy()
+        top_ids, top_log_probs = (t.cpu().numpy() for t in top_guesses(logits, top_k))  # [C, N, K] each
         done = 0
         at = 0
         for b, cuts in forward:

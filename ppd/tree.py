@@ -144,7 +144,8 @@ class TreeSet:
         check_format_version(data, TREE_FORMAT_VERSION, "tree file")
         choice = data.get("choice", CandidateChoice.FIXED.value)
         if choice not in {c.value for c in CandidateChoice}:
-            raise ValueError(f"a tree file's choice must be one of {[c.value for c in CandidateChoice]}, got {choice!r}")
+            raise ValueError(f"a tree file's choice must be one of {[c.value for c in CandidateChoice]}, "
+                             f"got {choice!r}")
         return cls(
             num_prompt_tokens=int(data["num_prompt_tokens"]),
             top_k=int(data["top_k"]),

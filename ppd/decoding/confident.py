@@ -39,6 +39,17 @@ from .tables import MIN_SIZE, RowTrees, TreeTables
 DEPTH_TIE = 1e-5
 
 
+def top_guesses(logits: torch.Tensor, top_k: int, log_probs: bool = True
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The ``top_k`` guesses of prompt-token ``logits`` [..., vocab]: their ids and, with ``log_probs``, their
+    log-probabilities over the whole vocabulary in float32 (what confident trees choose by). The decoder's
+    steps and replay both take them from here, so that both choose the same trees."""
+    top = logits.topk(top_k, dim=-1)
+    if not log_probs:
+        return top.indices, None
+    return top.indices, top.values.float() - logits.float().logsumexp(-1, keepdim=True)
+
+
 def template_set(trees: TreeSet) -> TreeSet:
     """Each key's budget as a tree of depth-1 slots: M nodes, the attached counts largest first."""
     templates = {}
@@ -134,7 +145,7 @@ class ConfidentTables(TreeTables):
         level = layout.position_offset[:, 1 + C:] - (owner > 0).long() - 1
         depth = max(n, MIN_SIZE)
         slot_count = layout.is_candidate.long().sum(1)
-        counts = [t.prompt_tokens for t in trees.trees.values()] + [(t.root_prompt_tokens,) for t in trees.trees.values()]
+        counts = [(*t.prompt_tokens, t.root_prompt_tokens) for t in trees.trees.values()]
         fields = {f.name: getattr(layout, f.name) for f in dataclasses.fields(TreeTables)}
         fields.update(top_k=top_k, depth=depth, max_offset=n + max(max(c, default=0) for c in counts))
         return cls(**fields, ranks=trees.top_k, slot_count=slot_count, prompt_owner=owner,
@@ -160,7 +171,8 @@ class ConfidentTables(TreeTables):
         chain = torch.stack(chain, dim=-1)  # [B, C, depth + 1]
         rows = torch.arange(1 + C, device=device)
         sees = (chain[..., None] == rows).any(-2)  # [B, C, 1 + C]: ancestors, the root and itself
-        sees = torch.where(valid[..., None], sees, rows[None, None, :] == torch.arange(1, C + 1, device=device)[:, None])
+        itself = rows[None, None, :] == torch.arange(1, C + 1, device=device)[:, None]  # [1, C, 1 + C]
+        sees = torch.where(valid[..., None], sees, itself)
         root_row = (rows == 0).expand(B, 1, -1)
         nodes = torch.cat([root_row, sees], dim=1)  # [B, 1 + C, 1 + C]
         owner, used = self.prompt_owner[key], self.prompt_used[key]  # [B, P]

@@ -30,6 +30,7 @@ from .state import EOS, REPORT_HEAD, RUNNING, DecodeState
 from .kv_cache import cache_keyword
 from .support import LogitTransform, UnsupportedModelError, checked_transform, refuse_by_design
 from . import grouped_attention, tree_attention
+from .confident import top_guesses
 from .tables import RowTrees, TreeTables
 
 
@@ -139,17 +140,11 @@ def set_guesses(state: DecodeState, prompt_logits: torch.Tensor, top_k: int, row
     """The next step's guesses of the first ``rows`` rows (all by default) from their prompt tokens' logits
     [rows, N, vocab]: the top-``top_k`` ids and, with ``log_probs``, their log-probabilities (what confident
     trees choose by; a step of fixed trees skips the reduction over the vocabulary they cost)."""
-    top = prompt_logits.topk(top_k, dim=-1)
-    if rows is None:  # (no slice by the batch size: a compiled step would specialise on it)
-        state.guesses.copy_(top.indices)
-    else:
-        state.guesses[:rows] = top.indices
-    if log_probs:
-        found = top.values.float() - prompt_logits.float().logsumexp(-1, keepdim=True)
-        if rows is None:
-            state.guess_log_probs.copy_(found)
-        else:
-            state.guess_log_probs[:rows] = found
+    ids, found = top_guesses(prompt_logits, top_k, log_probs)
+    # (no slice where all rows are written: a compiled step would specialise on the batch size)
+    for buffer, value in ((state.guesses, ids), (state.guess_log_probs, found)):
+        if value is not None:
+            (buffer if rows is None else buffer[:rows]).copy_(value)
 
 
 def stop_rows(state: DecodeState, emitted: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
