@@ -58,8 +58,8 @@ def test_hands_other_cases_to_transformers(monkeypatch):
     assert len(calls) == 3 and calls[1]["softcap"] == 30.0
 
 
-@pytest.mark.parametrize("arch,mode", [("llama", "auto"), ("qwen2", "auto"), ("mistral", "auto"), ("llama", "folded"),
-                                       ("qwen2", "matmul")])
+@pytest.mark.parametrize("arch,mode", [("llama", "auto"), ("qwen2", "auto"), ("mistral", "auto"), ("llama", "gqa"),
+                                       ("llama", "folded"), ("qwen2", "matmul")])
 def test_dense_step_runs_it_and_matches_repeated_heads(arch, mode, monkeypatch):
     """A tree step of a model with grouped query heads calls the function once per layer, and its logits
     are those of the same step through transformers' SDPA (``PPD_GROUPED_SDPA=off``)."""
@@ -94,5 +94,28 @@ def test_applies_only_to_grouped_sdpa_models(monkeypatch):
     monkeypatch.setenv("PPD_GROUPED_SDPA", "off")
     assert not grouped_attention.applies(llama.config, 2)
     monkeypatch.setenv("PPD_GROUPED_SDPA", "yes")
-    with pytest.raises(ValueError, match="PPD_GROUPED_SDPA must be one of auto, off, folded, matmul, split"):
+    with pytest.raises(ValueError, match="PPD_GROUPED_SDPA must be one of auto, off, gqa, folded, matmul, split"):
         grouped_attention.applies(llama.config, 2)
+
+
+def test_auto_runs_tree_steps_through_the_split_kernel_on_a_gpu_only(monkeypatch):
+    """``auto`` is the split kernel on a CUDA device where Triton is installed (with the tree's own mask where no
+    layer has a sliding window) and SDPA with ``enable_gqa`` on a CPU or without Triton; a named layout is kept."""
+    from ppd.decoding import split_attention
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.delenv("PPD_GROUPED_SDPA", raising=False)
+    monkeypatch.delenv("PPD_SPLIT_MASK", raising=False)
+    monkeypatch.setattr(split_attention, "HAS_TRITON", True)
+    assert grouped_attention.layout(gpu) == "split" and grouped_attention.layout(cpu) == "gqa"
+    assert grouped_attention.compact_tree_mask([None, None], gpu)
+    assert not grouped_attention.compact_tree_mask([None, 4096], gpu)  # a sliding window: the width's mask
+    assert not grouped_attention.compact_tree_mask([None], cpu)
+    monkeypatch.setattr(split_attention, "HAS_TRITON", False)
+    assert grouped_attention.layout(gpu) == "gqa" and not grouped_attention.compact_tree_mask([None], gpu)
+    monkeypatch.setattr(split_attention, "HAS_TRITON", True)
+    for named in ("gqa", "folded", "matmul", "split", "off"):
+        monkeypatch.setenv("PPD_GROUPED_SDPA", named)
+        assert grouped_attention.layout(gpu) == grouped_attention.layout(cpu) == named
+    monkeypatch.setenv("PPD_GROUPED_SDPA", "gqa")
+    assert not grouped_attention.compact_tree_mask([None], gpu)

@@ -24,11 +24,16 @@ rows as two batched matrix products around a float32 softmax, for long caches: o
 step took 2.4 ms at 1K context and 5.5 ms at 8K at batch 1 (14 ms at batch 16), where one row took 1.4-1.5 ms
 at both (2.6 ms at batch 16; `results/deep_gpu/h200/v7/long_context_dense.json`), as if the attention kernel
 walked the whole cache in one block per head and row tile; a matrix product spreads over the cache's width
-instead. ``PPD_GROUPED_SDPA=split`` (opt-in) runs a tree step's attention through ppd's Triton kernel over pieces
-of the cache (:mod:`ppd.decoding.split_attention`), handing it the tree's own mask and the rows' lengths where no
-layer has a sliding window (``PPD_SPLIT_MASK=width``: a mask over the whole width; :func:`split_mask`); one row
-keeps SDPA. Anything this function does not handle itself (no mask, attention dropout, soft-capping, attention
-sinks, equal head counts) goes to transformers' own SDPA function unchanged.
+instead. ``PPD_GROUPED_SDPA=split`` runs a tree step's attention through ppd's Triton kernel over pieces of the cache
+(:mod:`ppd.decoding.split_attention`), handing it the tree's own mask and the rows' lengths where no layer has a
+sliding window (``PPD_SPLIT_MASK=width``: a mask over the whole width; :func:`split_mask`); one row keeps SDPA.
+``auto`` (the default) is ``split`` on a CUDA GPU with Triton and SDPA with ``enable_gqa`` elsewhere (``gqa``
+asks for the latter everywhere). On one H200 (bf16, the default model and its 16- and 64-row trees, 300 tokens
+of context, compiled and captured steps, two leases, `results/deep_gpu/h200/v18/`) a 16-row tree step took
+1.88 ms through the kernel against 2.03 ms through cuDNN's at batch 1 and 2.49 against 2.86 ms at batch 16
+(64 rows: 1.98 against 2.09, 3.13 against 3.45); at 8K the kernel is what made trees pay at all. Anything this
+function does not handle itself (no mask, attention dropout, soft-capping, attention sinks, equal head counts) goes
+to transformers' own SDPA function unchanged.
 """
 
 from __future__ import annotations
@@ -46,17 +51,28 @@ MATMUL_NAME = "ppd_grouped_matmul"
 SPLIT_NAME = "ppd_grouped_split"
 LENGTHS_KEYWORD = "ppd_lengths"  # the model keyword a split tree step passes its rows' cache lengths under
 
-MODES = ("auto", "off", "folded", "matmul", "split")
+MODES = ("auto", "off", "gqa", "folded", "matmul", "split")
 SPLIT_MASKS = ("width", "tree")
 
 
 def mode() -> str:
-    """``PPD_GROUPED_SDPA``: ``auto`` (the default), ``off``, ``folded``, ``matmul`` or ``split`` (see the module
-    docstring)."""
+    """``PPD_GROUPED_SDPA``: ``auto`` (the default), ``off``, ``gqa``, ``folded``, ``matmul`` or ``split`` (see the
+    module docstring)."""
     found = os.environ.get("PPD_GROUPED_SDPA", "auto")
     if found not in MODES:
         raise ValueError(f"PPD_GROUPED_SDPA must be one of {', '.join(MODES)}, got {found!r}")
     return found
+
+
+def layout(device: torch.device) -> str:
+    """How a dense tree step on ``device`` computes its attention: ``PPD_GROUPED_SDPA`` where it names a layout;
+    for ``auto``, ``split`` on a CUDA GPU where Triton is installed (measured faster at every batch size and
+    context timed, see the module docstring) and ``gqa`` (SDPA with ``enable_gqa``) elsewhere; ``off`` for
+    transformers' own function."""
+    chosen = mode()
+    if chosen == "auto":
+        return "split" if device.type == "cuda" and split_attention.HAS_TRITON else "gqa"
+    return chosen
 
 
 def enabled() -> bool:
@@ -94,7 +110,7 @@ def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
               and query.dtype == key.dtype == value.dtype and split_attention.runs_on(query))
     if lengths is not None and not splits:
         raise RuntimeError("a tree step's own mask (with its rows' lengths) reached an attention path other than the "
-                           "split kernel, which alone reads it; unset PPD_GROUPED_SDPA=split for this model")
+                           "split kernel, which alone reads it; set PPD_GROUPED_SDPA=gqa for this model")
     if splits:
         mask = attention_mask
         if mask.dtype == torch.bool:
@@ -163,18 +179,13 @@ def matmul_sdpa(*args, **kwargs) -> tuple[torch.Tensor, None]:
     return grouped_sdpa(*args, layout="matmul", **kwargs)
 
 
-def active(model_config):
+def active(model_config, device: torch.device):
     """Within this block, the model's attention layers run :func:`grouped_sdpa` (or :func:`folded_sdpa`,
-    :func:`matmul_sdpa` or :func:`split_sdpa`, as ``PPD_GROUPED_SDPA`` says); the model's own implementation
+    :func:`matmul_sdpa` or :func:`split_sdpa`, as :func:`layout` says for ``device``); the model's own implementation
     comes back afterwards, whatever happens inside."""
-    chosen = mode()
-    if chosen == "folded":
-        return attention_switch.switched(model_config, FOLDED_NAME, folded_sdpa)
-    if chosen == "matmul":
-        return attention_switch.switched(model_config, MATMUL_NAME, matmul_sdpa)
-    if chosen == "split":
-        return attention_switch.switched(model_config, SPLIT_NAME, split_sdpa)
-    return attention_switch.switched(model_config, NAME, grouped_sdpa)
+    functions = {"folded": (FOLDED_NAME, folded_sdpa), "matmul": (MATMUL_NAME, matmul_sdpa),
+                 "split": (SPLIT_NAME, split_sdpa)}
+    return attention_switch.switched(model_config, *functions.get(layout(torch.device(device)), (NAME, grouped_sdpa)))
 
 
 def split_mask() -> str:
@@ -190,11 +201,12 @@ def split_mask() -> str:
 
 def compact_tree_mask(windows, device: torch.device) -> bool:
     """Whether a dense tree step of a model this module :func:`applies` to hands the split kernel its tree's own
-    mask and its rows' lengths (:data:`LENGTHS_KEYWORD`) instead of a mask over the cache's whole width:
-    ``PPD_GROUPED_SDPA=split`` with ``PPD_SPLIT_MASK=tree`` (the default), no layer has a sliding window, and the
-    kernel runs on ``device``."""
-    return (mode() == "split" and split_mask() == "tree" and all(w is None for w in windows)
-            and split_attention.runs_on_device(torch.device(device)))
+    mask and its rows' lengths (:data:`LENGTHS_KEYWORD`) instead of a mask over the cache's whole width: its
+    :func:`layout` on ``device`` is ``split``, ``PPD_SPLIT_MASK=tree`` (the default), no layer has a sliding window,
+    and the kernel runs on ``device``."""
+    device = torch.device(device)
+    return (layout(device) == "split" and split_mask() == "tree" and all(w is None for w in windows)
+            and split_attention.runs_on_device(device))
 
 
 def applies(model_config, query_group: int) -> bool:
@@ -205,5 +217,5 @@ def applies(model_config, query_group: int) -> bool:
 
 
 __all__ = ["FOLDED_NAME", "LENGTHS_KEYWORD", "MATMUL_NAME", "MODES", "NAME", "SPLIT_MASKS", "SPLIT_NAME", "active",
-           "applies", "compact_tree_mask", "enabled", "folded_sdpa", "grouped_sdpa", "matmul_sdpa", "mode",
+           "applies", "compact_tree_mask", "enabled", "folded_sdpa", "grouped_sdpa", "layout", "matmul_sdpa", "mode",
            "split_mask", "split_sdpa"]

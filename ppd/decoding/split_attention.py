@@ -24,8 +24,8 @@ cache lengths and the tree's own mask ``[B, 1, T, T]`` instead of the ``[B, 1, T
 the tree's slots as its mask says, and the pieces stop reading at the tree's last slot, so the step's mask takes
 O(T^2 B) memory, not O(T W B), and the cache's unused tail is never read. How the cache is cut and walked
 (:class:`SplitTuning`) was chosen by ``results/deep_gpu/split_sweep.py``. Written in Triton; on a CPU the same kernel
-runs through Triton's interpreter (for the tests only: it is slow). ``PPD_GROUPED_SDPA=split`` selects it for dense
-tree steps (:mod:`ppd.decoding.grouped_attention`).
+runs through Triton's interpreter (for the tests only: it is slow). Dense tree steps on a CUDA GPU run it by default
+(``PPD_GROUPED_SDPA=auto`` or ``split``; :mod:`ppd.decoding.grouped_attention`).
 """
 
 from __future__ import annotations

@@ -97,9 +97,9 @@ class LanguageModel:
         if self.flex:
             switched = tree_attention.active(self.body.config)
         elif grouped_attention.applies(self.body.config, self.query_group):
-            self.compact_mask = grouped_attention.compact_tree_mask(self.layers.kinds.values(),
-                                                                    self.embed.weight.device)
-            switched = grouped_attention.active(self.body.config)
+            device = self.embed.weight.device
+            self.compact_mask = grouped_attention.compact_tree_mask(self.layers.kinds.values(), device)
+            switched = grouped_attention.active(self.body.config, device)
         try:
             with switched:
                 yield
