@@ -14,14 +14,17 @@ from ppd.files import atomic_write_json
 
 
 def environment(device: torch.device) -> dict:
-    """Device name, thread count and library versions of a measurement, and the ``PPD_*`` switches it ran
-    under where any is set (``ppd_switches``: ``PPD_RUN_AHEAD``, ``PPD_PREFILL_GRAPHS``, ...), so that two
-    files of the same command measured two ways say which is which."""
+    """Device name, thread count and library versions of a measurement, the attention layout a dense tree step of a
+    grouped-query model runs there (``tree_attention``: what ``PPD_GROUPED_SDPA`` resolves to on the device), and
+    the ``PPD_*`` switches it ran under where any is set (``ppd_switches``: ``PPD_RUN_AHEAD``,
+    ``PPD_PREFILL_GRAPHS``, ...), so that two files of the same command measured two ways say which is which."""
     import transformers
+
+    from ppd.decoding import grouped_attention
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     found = {"device": name, "threads": torch.get_num_threads(), "torch": torch.__version__,
-             "transformers": transformers.__version__}
+             "transformers": transformers.__version__, "tree_attention": grouped_attention.layout(device)}
     switches = {key: value for key, value in sorted(os.environ.items()) if key.startswith("PPD_")}
     if switches:
         found["ppd_switches"] = switches

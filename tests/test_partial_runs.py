@@ -121,6 +121,7 @@ def test_records_name_the_ppd_switches_a_run_measured_under(tmp_path, monkeypatc
         monkeypatch.delenv(key)
     cpu = torch.device("cpu")
     assert "ppd_switches" not in environment(cpu)  # nothing set: the record of earlier versions
+    assert environment(cpu)["tree_attention"] == "gqa"  # the split kernel is the default on a CUDA GPU only
     args = batch_speed.make_parser().parse_args(["--batch_sizes", "1"])
     before = run_settings(args, cpu, ("batch_sizes",))
     path = tmp_path / "run.json"
@@ -128,6 +129,11 @@ def test_records_name_the_ppd_switches_a_run_measured_under(tmp_path, monkeypatc
     monkeypatch.setenv("PPD_PREFILL_GRAPHS", "0")
     assert environment(cpu)["ppd_switches"] == {"PPD_PREFILL_GRAPHS": "0"}
     with pytest.raises(SettingsMismatch, match="ppd_switches"):  # a cut-off run is not finished the other way
+        PartialRun(path, run_settings(args, cpu, ("batch_sizes",)))
+    monkeypatch.delenv("PPD_PREFILL_GRAPHS")
+    monkeypatch.setenv("PPD_GROUPED_SDPA", "split")
+    assert environment(cpu)["tree_attention"] == "split"
+    with pytest.raises(SettingsMismatch, match="tree_attention"):
         PartialRun(path, run_settings(args, cpu, ("batch_sizes",)))
 
 
