@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Prepared in the twenty-third session for the next H200 lease (not run yet): the batch policy picked again now that
-# GPU tree steps run the split attention kernel by default, then decoder throughput with it, then the GPU tests.
+# Prepared in the twenty-third session for the next H200 lease (not run yet): the output head's product by row count
+# (head_gemm.py), the batch policy picked again now that GPU tree steps run the split attention kernel by default,
+# then decoder throughput with it, then the GPU tests.
 # Launch as .gpu/job/launch.sh does (a copy of the tree in /root/tree, this script under setsid nohup); outputs go to
 # /root/res/v19. One process per phase: the trees of a phase share its compiled steps (one per step kind and batch 1
 # or more), so a fresh machine compiles six step variants in `pick` (~10 minutes) and `speed` compiles again.
@@ -13,6 +14,12 @@ T=results/train/v7/runs/maps16-lr3e-3-e3/trees
 C=results/dynamic_trees/trees
 E="--dtype bfloat16 --capture compiled_graph"
 {
+  # the output head's product alone, by row count and layout (a minute; the autotuned one separately, it compiles)
+  t head; timeout 240 python results/deep_gpu/head_gemm.py --layouts linear pad16 pad64 chunks16 chunks48 transposed \
+    --output $R/head_gemm.json > $R/logs/head_gemm.log 2>&1; echo "rc $?"; tail -n 17 $R/logs/head_gemm.log
+  timeout 300 python results/deep_gpu/head_gemm.py --layouts linear compiled --rows 20 80 288 \
+    --output $R/head_gemm_autotuned.json > $R/logs/head_gemm_autotuned.log 2>&1; echo "rc $?"
+  tail -n 5 $R/logs/head_gemm_autotuned.log
   t pick; timeout 900 python -m eval.pick_tree $E --batch_sizes 1 2 4 8 16 32 --steps 32 \
     --trees $T/tree_16.json $T/tree_32.json $T/tree_64.json $T/tree_128.json $C/tree_16_confident.json \
     --output $R/pick_split_default.json > $R/logs/pick.log 2>&1; echo "rc $?"; grep -E "^\||policy" $R/logs/pick.log | tail -n 40
