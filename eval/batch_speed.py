@@ -34,9 +34,8 @@ from pathlib import Path
 
 import torch
 
-from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_decoder_or_exit
+from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_decoder_or_exit, tree_files
 from ppd.config import DecodeConfig
-from ppd.tree import TreeSet
 
 from .benchmarks import load_benchmark
 from .gen_answers import prompt_ids, turn_messages
@@ -84,8 +83,8 @@ def run(args: argparse.Namespace) -> tuple[dict, PartialRun]:
     # Each batch size is written as soon as it is measured.
     partial = PartialRun(args.output, run_settings(args, device, ("batch_sizes", "output", "plot")))
     variants = {"baseline": (decoder, "baseline"), "ppd": (decoder, "ppd")}
-    for name in args.trees:
-        variants[variant_name(name)] = (decoder.with_trees(TreeSet.load(name)), "ppd")
+    for name, trees in tree_files(args.trees, args.tree_choice).items():
+        variants[variant_name(name)] = (decoder.with_trees(trees), "ppd")
     header = {"model": loaded.info.model_id, "adapter": loaded.adapter, "tree": loaded.tree, "bench": args.bench,
               "max_new_tokens": args.max_new_tokens, "capture": args.capture,
               "dtype": str(decoder.dtype).removeprefix("torch."), **environment(device)}

@@ -22,12 +22,11 @@ import traceback
 
 import torch
 
-from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_decoder_or_exit
+from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_decoder_or_exit, tree_files
 from ppd.config import CaptureMode, PromptTokenConfig
 from ppd.decoder import Decoder
 from ppd.models import default_device, resolve_dtype
 from ppd.prompt_tokens import PromptTokens
-from ppd.tree import TreeSet
 
 from .records import environment, write_json
 from .step_latency import step_time
@@ -73,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         loaded = load_decoder_or_exit(args)
         decoder, source = loaded.decoder, loaded.info.model_id
-    decoders = {name: decoder.with_trees(TreeSet.load(name)) for name in args.trees} or {"adapter's tree": decoder}
+    decoders = ({name: decoder.with_trees(trees)
+                 for name, trees in tree_files(args.trees, args.tree_choice).items()}
+                or {"adapter's tree": decoder})
     start = time.perf_counter()
     results = []
     for mode in args.modes:

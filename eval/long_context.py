@@ -44,12 +44,11 @@ from pathlib import Path
 
 import torch
 
-from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_decoder_or_exit
+from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_decoder_or_exit, tree_files
 from ppd.config import DecodeConfig
 from ppd.decoding.graphs import compile_limits
 from ppd.long_prompts import ContextError, conversation_source, long_prompts
 from ppd.teacher import left_padded
-from ppd.tree import TreeSet
 
 from .batch_speed import variant_name
 from .records import PartialRun, SettingsMismatch, environment, run_settings
@@ -258,7 +257,8 @@ def run(args: argparse.Namespace) -> tuple[dict, PartialRun]:
     decoder = loaded.decoder
     # Each method on the loaded decoder, then each --trees file on a decoder of its own.
     variants = {**{m: (decoder, m) for m in args.methods},
-                **{variant_name(f): (decoder.with_trees(TreeSet.load(f)), "ppd") for f in args.trees}}
+                **{variant_name(f): (decoder.with_trees(trees), "ppd")
+                   for f, trees in tree_files(args.trees, args.tree_choice).items()}}
     device = decoder.device
     check_contexts(args.contexts, args.max_new_tokens, decoder.capacity, decoder.capacity_reason)
     # Each context and batch size is written once all its methods are measured.

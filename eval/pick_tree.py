@@ -8,7 +8,9 @@ Usage:
     python -m eval.pick_tree --trees results/trees/tree_*.json --batch_sizes 1 2 4 8 16 32 64 128 \\
         --dtype bfloat16 --output results/serving/policy_pick.json [--install]
 
-Each tree set's expected tokens per step comes from the accuracies it was built from (its metadata); its
+Each tree set's expected tokens per step comes from the accuracies it was built from (its metadata), or, with
+``--accept_lengths``, from the accept length an ``eval.replay`` record measured for it on real answers (the only
+way a ``confident`` set is rated for what its choice adds: its accuracy table is its fixed tree's); its
 time is the decoder's whole step as the engine runs it on this device, in this dtype and capture mode
 (``eval.step_latency``: compiled and captured on CUDA by default). The one-row baseline is scored the
 same way. ``--install`` copies the best tree into the adapter directory as
@@ -23,13 +25,14 @@ command run again after a cut-off run times only what is missing (the policy is 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 from pathlib import Path
 
 import torch
 
-from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_decoder_or_exit
+from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_decoder_or_exit, tree_files
 from ppd.policy import BatchPolicy
 from ppd.prompt_tokens import packaged_adapter
 from ppd.tree import TreeSet
@@ -52,6 +55,9 @@ def make_parser() -> argparse.ArgumentParser:
                              "(default: --capture alone)")
     parser.add_argument("--batch_sizes", nargs="+", type=int, default=None, metavar="B",
                         help="make a batch policy: time every tree at each of these batch sizes (powers of two)")
+    parser.add_argument("--accept_lengths", default=None, metavar="REPLAY_JSON",
+                        help="rate each tree by the accept length this eval.replay record (same adapter) measured "
+                             "for it, instead of the expectation from its accuracy table; every tree must be in it")
     parser.add_argument("--install", action="store_true",
                         help="copy the best tree (or, with --batch_sizes, the policy) into the adapter directory")
     parser.add_argument("--output", default=None)
@@ -69,21 +75,55 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--batch_sizes times one capture mode (--capture), not --captures")
         if args.max_seq_len is None:  # each tree's caches at every batch size: keep them to what the timing needs
             args.max_seq_len = args.context + 8 * args.steps + 512
+    sets = tree_files(args.trees, args.tree_choice)
+    if args.accept_lengths is None:
+        missing = [name for name, trees in sets.items() if not trees.metadata.get("accuracy")]
+        if missing:
+            print(f"error: {', '.join(missing)} record no accuracy table in their metadata (make them with "
+                  "eval.build_trees, or rate them with --accept_lengths)", file=sys.stderr)
+            return 2
     loaded = load_decoder_or_exit(args)
-    sets = {name: TreeSet.load(name) for name in args.trees}
-    missing = [name for name, trees in sets.items() if not trees.metadata.get("accuracy")]
-    if missing:
-        print(f"error: {', '.join(missing)} record no accuracy table in their metadata (make them with "
-              "eval.build_trees)", file=sys.stderr)
+    try:
+        expected = expected_per_step(sets, args.accept_lengths, loaded.adapter)
+    except (OSError, ValueError, KeyError) as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     if args.batch_sizes is not None:
-        return pick_policy(args, loaded, sets)
-    return pick_one(args, loaded, sets)
+        return pick_policy(args, loaded, sets, expected)
+    return pick_one(args, loaded, sets, expected)
 
 
 def expected_tokens(trees: TreeSet) -> float:
     """Expected tokens per step of a tree set, from the accuracies it was built from (its deepest tree)."""
     return expected_tokens_per_step(trees.trees[trees.num_prompt_tokens], trees.metadata["accuracy"])
+
+
+def replayed_accept_lengths(path: str, adapter: str) -> dict[tuple, float]:
+    """The accept lengths an ``eval.replay`` record measured, by tree set (:meth:`TreeSet.identity`, each row's
+    file read with the row's choice); refused where the record is of another adapter."""
+    record = json.loads(Path(path).read_text(encoding="utf-8"))
+    if not isinstance(record, dict) or not isinstance(record.get("trees"), list):
+        raise ValueError(f"{path} is not an eval.replay record (no list of trees)")
+    if record.get("adapter") != adapter:
+        raise ValueError(f"{path} measured the prompt tokens of {record.get('adapter')!r}, not of {adapter!r}")
+    found = {}
+    for row in record["trees"]:
+        trees = TreeSet.load(row["tree"]).chosen(row.get("choice", "fixed"))
+        found[trees.identity()] = float(row["accept_length"])
+    return found
+
+
+def expected_per_step(sets: dict[str, TreeSet], accept_lengths: str | None, adapter: str) -> dict[str, float]:
+    """Each tree set's expected tokens a step: from its accuracy table, or from the replay record
+    ``accept_lengths`` (which must hold every set)."""
+    if accept_lengths is None:
+        return {name: expected_tokens(trees) for name, trees in sets.items()}
+    measured = replayed_accept_lengths(accept_lengths, adapter)
+    missing = [name for name, trees in sets.items() if trees.identity() not in measured]
+    if missing:
+        raise ValueError(f"{accept_lengths} holds no accept length for {', '.join(missing)} (replay them: "
+                         "python -m eval.replay --trees ... --choices fixed confident)")
+    return {name: measured[trees.identity()] for name, trees in sets.items()}
 
 
 def dtype_name(decoder) -> str:
@@ -94,7 +134,7 @@ def target_dir(args, loaded) -> Path:
     return Path(args.adapter) if args.adapter else packaged_adapter(loaded.info.model_id)
 
 
-def pick_one(args, loaded, sets: dict[str, TreeSet]) -> int:
+def pick_one(args, loaded, sets: dict[str, TreeSet], expected: dict[str, float]) -> int:
     decoder = loaded.decoder
     device = decoder.device
     modes = args.captures or [args.capture]
@@ -106,12 +146,12 @@ def pick_one(args, loaded, sets: dict[str, TreeSet]) -> int:
             rows.append({"tree": "baseline (1 row)", "capture": mode, "rows": 1, "expected_tokens": 1.0,
                          "latency_s": one_row["step_ms"] / 1e3, "capture_s": one_row["capture_s"],
                          "tokens_per_s": 1e3 / one_row["step_ms"]})
-            for name, trees in sets.items():
+            for name in sets:
                 timed = step_time(decoders[name], "ppd", args.context, args.steps, mode)
-                expected = expected_tokens(trees)
                 latency = timed["step_ms"] / 1e3
-                rows.append({"tree": name, "capture": mode, "rows": timed["rows"], "expected_tokens": expected,
-                             "latency_s": latency, "capture_s": timed["capture_s"], "tokens_per_s": expected / latency})
+                rows.append({"tree": name, "capture": mode, "rows": timed["rows"], "expected_tokens": expected[name],
+                             "latency_s": latency, "capture_s": timed["capture_s"],
+                             "tokens_per_s": expected[name] / latency})
     baselines = [r for r in rows if r["rows"] == 1 and r["tree"].startswith("baseline")]
     trees_only = [r for r in rows if r not in baselines]
     best = max(rows, key=lambda r: r["tokens_per_s"])
@@ -130,17 +170,21 @@ def pick_one(args, loaded, sets: dict[str, TreeSet]) -> int:
     if args.install:
         # The best tree is what PPD uses on this device type, even where the baseline is faster.
         target = target_dir(args, loaded) / f"tree_{device.type}_{dtype_name(decoder)}.json"
-        shutil.copyfile(best_tree["tree"], target)
+        if best_tree["tree"] in args.trees:
+            shutil.copyfile(best_tree["tree"], target)
+        else:  # a file's trees with their choice changed by --tree_choice
+            sets[best_tree["tree"]].save(target)
         print(f"installed {best_tree['tree']} as {target}")
     if args.output:
         write_json(args.output, {"context": args.context, "adapter": loaded.adapter, "rows": rows,
+                                 "expected_from": args.accept_lengths or "accuracy tables",
                                  "dtype": dtype_name(decoder), "picked": best["tree"],
                                  "best_tree": best_tree["tree"], "best_tree_capture": best_tree["capture"],
                                  "baseline_capture": best_baseline["capture"], **environment(device)})
     return 0
 
 
-def pick_policy(args, loaded, sets: dict[str, TreeSet]) -> int:
+def pick_policy(args, loaded, sets: dict[str, TreeSet], expected: dict[str, float]) -> int:
     """Time every tree and the one-row step at every batch size; keep the best per bucket."""
     decoder = loaded.decoder
     device = decoder.device
@@ -153,18 +197,19 @@ def pick_policy(args, loaded, sets: dict[str, TreeSet]) -> int:
         print(f"pick_tree: error: {error}", file=sys.stderr)
         return 2
     header = {"context": args.context, "adapter": loaded.adapter, "dtype": dtype_name(decoder),
-              "capture": args.capture, **environment(device)}
+              "capture": args.capture, "expected_from": args.accept_lengths or "accuracy tables",
+              **environment(device)}
 
-    def measure(name: str, dec, method: str, expected: float) -> None:
+    def measure(name: str, dec, method: str, per_step: float) -> None:
         for batch in batch_sizes:
             if partial.measured(tree=name, batch_size=batch):
                 print(f"batch {batch:4d} | {name} | measured already in {args.output}", file=sys.stderr)
                 continue
             timed = step_time(dec, method, args.context, args.steps, args.capture, batch_size=batch)
             latency = timed["step_ms"] / 1e3
-            partial.add([{"tree": name, "batch_size": batch, "rows": timed["rows"], "expected_tokens": expected,
+            partial.add([{"tree": name, "batch_size": batch, "rows": timed["rows"], "expected_tokens": per_step,
                           "latency_s": latency, "capture_s": timed["capture_s"],
-                          "tokens_per_s": batch * expected / latency}], header)
+                          "tokens_per_s": batch * per_step / latency}], header)
             print(f"batch {batch:4d} | {name} | {timed['rows']} rows | {timed['step_ms']:.2f} ms | "
                   f"capture {timed['capture_s']:.1f} s, warm-up {timed['warmup_s']:.1f} s", file=sys.stderr)
 
@@ -174,7 +219,7 @@ def pick_policy(args, loaded, sets: dict[str, TreeSet]) -> int:
             if all(partial.measured(tree=name, batch_size=batch) for batch in batch_sizes):
                 continue  # no decoder (nor its caches) for a tree measured before the cut
             tree_decoder = decoder.with_trees(trees)
-            measure(name, tree_decoder, "ppd", expected_tokens(trees))
+            measure(name, tree_decoder, "ppd", expected[name])
             del tree_decoder  # its caches and graphs go before the next tree's are made
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -201,7 +246,7 @@ def pick_policy(args, loaded, sets: dict[str, TreeSet]) -> int:
                          tuple(None if p["tree"] is None else sets[p["tree"]] for p in picks),
                          {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                           "dtype": dtype_name(decoder), "capture": args.capture, "context": args.context,
-                          "picks": picks})
+                          "expected_from": header["expected_from"], "picks": picks})
     print(f"batch policy: {policy.describe()}")
     if args.install:
         target = target_dir(args, loaded) / f"policy_{device.type}_{dtype_name(decoder)}.json"

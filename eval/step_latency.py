@@ -21,10 +21,9 @@ from collections.abc import Iterator
 
 import torch
 
-from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_decoder_or_exit
+from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_decoder_or_exit, tree_files
 from ppd.config import DecodeConfig
 from ppd.decoder import Decoder
-from ppd.tree import TreeSet
 
 from .records import environment, write_json
 
@@ -50,11 +49,13 @@ def timing_prompt(decoder: Decoder, context: int) -> list[int]:
     return [(31 * i + 7) % vocab for i in range(context)]
 
 
-def tree_decoders(loaded, names: list[str]) -> Iterator[tuple[str, Decoder]]:
-    """(name, decoder) for each tree-set file named, each a decoder of the loaded model over it; with none
-    named, the loaded decoder and the tree set it came with."""
-    for name in names or [None]:
-        yield (name or loaded.tree), (loaded.decoder if name is None else loaded.decoder.with_trees(TreeSet.load(name)))
+def tree_decoders(loaded, names: list[str], choice: str | None = None) -> Iterator[tuple[str, Decoder]]:
+    """(name, decoder) for each tree-set file named (candidates chosen as ``choice`` says where given), each a
+    decoder of the loaded model over it; with none named, the loaded decoder and the tree set it came with."""
+    if not names:
+        yield loaded.tree, loaded.decoder
+    for name, trees in tree_files(names, choice).items():
+        yield name, loaded.decoder.with_trees(trees)
 
 
 def step_time(decoder: Decoder, method: str, context: int, steps: int, capture: str = "auto",
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.baseline:
             results.append({"tree": "baseline (1 row)", **step_time(decoder, "baseline", args.context, args.steps,
                                                                     args.capture, args.batch_size)})
-        for name, decoder in tree_decoders(loaded, args.trees):
+        for name, decoder in tree_decoders(loaded, args.trees, args.tree_choice):
             results.append({"tree": name, **step_time(decoder, "ppd", args.context, args.steps, args.capture,
                                                       args.batch_size)})
     print("| tree | rows | step ms | capture s |\n|---|---|---|---|")

@@ -153,3 +153,21 @@ def load_decoder_or_exit(args: argparse.Namespace, with_prompt_tokens: bool = Tr
     except LOAD_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def tree_files(names, choice: str | None = None) -> dict[str, TreeSet]:
+    """The tree-set files a tool compares (its ``--trees``), by name, with candidates chosen as ``choice`` says
+    where it is given (``--tree_choice`` applies to them as to the decoder's own trees); a file whose own choice
+    it changes is named ``<file> (<choice>)``. What cannot be read ends the program as
+    :func:`load_decoder_or_exit` does."""
+    found = {}
+    for name in names or []:
+        try:
+            trees = TreeSet.load(name)
+        except LOAD_ERRORS as err:
+            print(f"error: {err}", file=sys.stderr)
+            raise SystemExit(2) from None
+        if choice is not None and trees.choice is not CandidateChoice(choice):
+            trees, name = trees.chosen(choice), f"{name} ({choice})"
+        found[name] = trees
+    return found

@@ -125,6 +125,12 @@ class TreeSet:
     def confident(self) -> bool:
         return self.choice is CandidateChoice.CONFIDENT
 
+    def identity(self) -> tuple:
+        """The trees, their top-k and their choice without the metadata: equal for two files that verify the same
+        candidates the same way (how a measurement of one file is found for another)."""
+        return (self.num_prompt_tokens, self.top_k, self.choice.value,
+                tuple((k, t.paths, t.prompt_tokens, t.root_prompt_tokens) for k, t in sorted(self.trees.items())))
+
     def chosen(self, choice: CandidateChoice | str) -> "TreeSet":
         """The same trees with candidates chosen as ``choice`` says."""
         return replace(self, choice=CandidateChoice(choice))

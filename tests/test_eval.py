@@ -373,3 +373,8 @@ def test_step_latency_and_step_profile_on_the_real_model(tmp_path):
     both = json.loads((tmp_path / "both.json").read_text())["results"]
     assert [r["tree"] for r in both] == ["baseline (1 row)", f"{tree['tree']} (as loaded)", own]
     assert both[1]["rows"] == both[2]["rows"] == tree["rows"]
+    # --tree_choice applies to the files named too, and the rows say so
+    assert step_latency.main([*common, "--trees", own, "--tree_choice", "confident",
+                              "--output", str(tmp_path / "confident.json")]) == 0
+    confident = json.loads((tmp_path / "confident.json").read_text())["results"]
+    assert [r["tree"] for r in confident] == [f"{own} (confident)"] and confident[0]["rows"] == tree["rows"]

@@ -202,3 +202,34 @@ def test_a_cut_off_long_context_run_is_finished_by_the_same_command(tmp_path, mo
     assert [(r["batch_size"], r["method"]) for r in done["rows"]] == [(1, "ppd"), (1, "baseline"), (2, "ppd"),
                                                                       (2, "baseline")]
     assert all(r["identical_to_reference"] == 1.0 for r in done["rows"] if r["method"] == "ppd")
+
+
+def test_a_pick_rates_trees_by_replayed_accept_lengths_with_their_choice(tmp_path, capsys):
+    """``--accept_lengths`` takes each tree's expected tokens from an ``eval.replay`` record, matched by the trees
+    and their choice (``--tree_choice`` applies to the ``--trees`` files); a tree the record lacks, or a record of
+    other prompt tokens, is refused with a line naming it."""
+    from eval import pick_tree
+
+    tree = "results/train/v7/runs/maps16-lr3e-3-e3/trees/tree_8.json"
+    record = {"adapter": "shipped:smollm2-135m-instruct", "trees": [
+        {"tree": tree, "choice": "fixed", "accept_length": 1.25},
+        {"tree": tree, "choice": "confident", "accept_length": 9.0}]}
+    replay = tmp_path / "replay.json"
+    replay.write_text(json.dumps(record))
+    argv = ["--trees", tree, "--batch_sizes", "1", "--steps", "2", "--context", "40", *CPU,
+            "--accept_lengths", str(replay)]
+    assert pick_tree.main(argv + ["--output", str(tmp_path / "fixed.json")]) == 0
+    fixed = json.loads((tmp_path / "fixed.json").read_text())
+    assert [(r["tree"], r["expected_tokens"]) for r in fixed["rows"]] == [("baseline (1 row)", 1.0), (tree, 1.25)]
+    assert fixed["expected_from"] == str(replay)
+    assert pick_tree.main(argv + ["--tree_choice", "confident", "--output", str(tmp_path / "confident.json")]) == 0
+    confident = json.loads((tmp_path / "confident.json").read_text())
+    assert confident["rows"][1]["tree"] == f"{tree} (confident)" and confident["rows"][1]["expected_tokens"] == 9.0
+    assert confident["policy"]["buckets"][0]["trees"]["choice"] == "confident"  # nine tokens a step: picked
+    capsys.readouterr()
+    replay.write_text(json.dumps({**record, "trees": record["trees"][:1]}))
+    assert pick_tree.main(argv + ["--tree_choice", "confident"]) == 2
+    assert f"holds no accept length for {tree} (confident)" in capsys.readouterr().err
+    replay.write_text(json.dumps({**record, "adapter": "some/other-tokens"}))
+    assert pick_tree.main(argv) == 2
+    assert "measured the prompt tokens of 'some/other-tokens'" in capsys.readouterr().err

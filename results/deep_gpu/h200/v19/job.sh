@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Prepared in the twenty-third session for the next H200 lease (not run yet): the output head's product by row count
-# (head_gemm.py), the batch policy picked again now that GPU tree steps run the split attention kernel by default,
+# (head_gemm.py), the batch policy picked again now that GPU tree steps run the split attention kernel by default
+# (each tree rated by its MT-Bench replay accept length, so the confident 16-row set is rated for its choice),
 # then decoder throughput with it, then the GPU tests.
 # Launch as .gpu/job/launch.sh does (a copy of the tree in /root/tree, this script under setsid nohup); outputs go to
 # /root/res/v19. One process per phase: the trees of a phase share its compiled steps (one per step kind and batch 1
@@ -22,7 +23,7 @@ E="--dtype bfloat16 --capture compiled_graph"
   tail -n 5 $R/logs/head_gemm_autotuned.log
   t pick; timeout 900 python -m eval.pick_tree $E --batch_sizes 1 2 4 8 16 32 --steps 32 \
     --trees $T/tree_16.json $T/tree_32.json $T/tree_64.json $T/tree_128.json $C/tree_16_confident.json \
-    --output $R/pick_split_default.json > $R/logs/pick.log 2>&1; echo "rc $?"; grep -E "^\||policy" $R/logs/pick.log | tail -n 40
+    --accept_lengths results/dynamic_trees/mt_bench.json --output $R/pick_split_default.json > $R/logs/pick.log 2>&1; echo "rc $?"; grep -E "^\||policy" $R/logs/pick.log | tail -n 40
   t speed; timeout 900 python -m eval.batch_speed $E --batch_sizes 1 2 4 8 16 32 --bench mt_bench --max_new_tokens 256 \
     --max_seq_len 1024 --output $R/batch_speed_split_default.json --plot $R/batch_speed_split_default.png \
     > $R/logs/speed.log 2>&1; echo "rc $?"; tail -n 14 $R/logs/speed.log
