@@ -1,0 +1,156 @@
+"""How much a prompt-lookup branch beside PPD's tree would add to the accept length: an estimate by replay.
+
+Greedy answers are known, so a step's outcome is too (``ppd.replay``). Beside each step's tree this adds a chain of
+``L`` tokens found by prompt lookup (the most recent earlier occurrence of the last 3, else 2, else 1 tokens of the
+prompt and the text so far, and the ``L`` tokens that followed it). A step accepts the longer of the tree's accepted
+path and the chain's matched prefix (the tree on a tie). Where the chain wins, the next step's guesses depend on
+what the chain's nodes carry:
+
+- ``bare``: chain nodes carry no prompt tokens. The next step has no guesses: it verifies a chain alone (and the
+  root's prompt rows, so that a miss brings guesses back). ``L`` rows more a step.
+- ``fed``: every chain node carries the N prompt tokens, so the next step has guesses as after a tree node.
+  ``L x (1 + N)`` rows more a step.
+
+Not built in the decoder: this only says whether building it would pay. Writes a JSON record and prints a table.
+
+    python results/lookup_estimate/estimate.py --answers results/eval/h200_captured/answers/mt_bench-baseline-float32-0000.jsonl \\
+        --trees results/train/v7/runs/maps16-lr3e-3-e3/trees/tree_{16,32}.json --chains 4 8 \\
+        --output results/lookup_estimate/mt_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from tqdm.auto import tqdm
+
+from eval.records import environment
+from eval.replay import answers_of_records, read_records
+from ppd.cli import add_adapter_args, add_model_args, load_decoder_or_exit
+from ppd.replay import guess_top, match_paths, replay
+from ppd.training import PromptTokenModel
+from ppd.tree import TreeSet
+
+NGRAMS = (3, 2, 1)
+
+
+def lookup(history: list[int], length: int) -> list[int]:
+    """The ``length`` tokens that followed the most recent earlier occurrence of the last 3 (else 2, else 1)
+    tokens of ``history``; empty where none occurs."""
+    for n in NGRAMS:
+        if len(history) <= n:
+            continue
+        tail = history[-n:]
+        for start in range(len(history) - n - 1, -1, -1):
+            if history[start:start + n] == tail:
+                return history[start + n:start + n + length]
+    return []
+
+
+def matched(chain: list[int], answer: list[int], at: int) -> int:
+    """How many leading tokens of ``chain`` equal ``answer[at:]``."""
+    depth = 0
+    while depth < len(chain) and at + depth < len(answer) and chain[depth] == answer[at + depth]:
+        depth += 1
+    return depth
+
+
+def hybrid_steps(trees: TreeSet, paths, prompt: list[int], answer: list[int], chain: int, fed: bool) -> int:
+    """Steps greedy PPD takes for ``answer`` with a lookup chain of ``chain`` tokens beside each step's tree
+    (``fed``: chain nodes carry prompt tokens; else a step after a chain's win has no tree)."""
+    attached = {key: {(): tree.root_prompt_tokens, **dict(zip(tree.paths, tree.prompt_tokens))}
+                for key, tree in trees.trees.items()}
+    n = trees.num_prompt_tokens
+    emitted, steps, key = 1, 0, n
+    while emitted < len(answer):
+        # the root answer[emitted - 1] is emitted; the candidates guess answer[emitted:]
+        tree_depth, next_key = 0, n
+        if key > 0:
+            nodes, match = attached[key], paths[emitted - 1]
+            while tree_depth < len(match) and match[: tree_depth + 1] in nodes:
+                tree_depth += 1
+            next_key = nodes[match[:tree_depth]]
+        chain_depth = matched(lookup(prompt + answer[:emitted], chain), answer, emitted) if chain else 0
+        if chain_depth > tree_depth:
+            depth, next_key = chain_depth, (n if fed else 0)
+        else:
+            depth = tree_depth
+            if key == 0:
+                next_key = n  # a miss after a bare chain: the root's prompt rows
+        key = next_key
+        emitted += depth + 1
+        steps += 1
+    return steps
+
+
+def lookup_steps(prompt: list[int], answer: list[int], chain: int) -> int:
+    """Steps of prompt lookup alone: a chain of ``chain`` tokens a step, no tree."""
+    emitted, steps = 1, 0
+    while emitted < len(answer):
+        emitted += matched(lookup(prompt + answer[:emitted], chain), answer, emitted) + 1
+        steps += 1
+    return steps
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--answers", required=True, help="JSONL of eval.gen_answers (temperature 0)")
+    add_model_args(parser)
+    parser.set_defaults(model=None)
+    add_adapter_args(parser)
+    parser.add_argument("--trees", nargs="+", required=True)
+    parser.add_argument("--chains", nargs="+", type=int, default=[4, 8], help="lookup chain lengths")
+    parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--output", default=None)
+    args = parser.parse_args(argv)
+    records = read_records(args.answers)
+    args.model = args.model or records[0].get("model")
+    loaded = load_decoder_or_exit(args)
+    prompt_tokens = loaded.decoder.prompt_tokens
+    answers = [a for a in answers_of_records(records, loaded.tokenizer) if a.tokens][: args.limit]
+    named = {name: TreeSet.load(name) for name in args.trees}
+    top_k = max(10, *(t.top_k for t in named.values()))
+    model = PromptTokenModel(loaded.model, prompt_tokens)
+    with tqdm(total=len(answers), unit="answer", desc="guesses") as bar:
+        guesses = guess_top(model, [a.prompt + a.tokens for a in answers], [len(a.prompt) for a in answers], top_k,
+                            progress=bar.update)
+    paths = [match_paths(ids, a.prompt + a.tokens, len(a.prompt)) for (ids, _), a in zip(guesses, answers)]
+    new_tokens = sum(len(a.tokens) for a in answers)
+    n = prompt_tokens.num_prompt_tokens
+    rows = []
+    for name, trees in named.items():
+        tree_rows = trees.max_rows(prompt_tokens.num_ensemble)
+        alone = sum(replay(trees, p, len(a.tokens))[1] for p, a in zip(paths, answers))
+        check = sum(hybrid_steps(trees, p, a.prompt, a.tokens, 0, False) for p, a in zip(paths, answers))
+        if check != alone:
+            raise SystemExit(f"the hybrid walk without a chain took {check} steps, replay {alone}: a bug here")
+        rows.append({"tree": name, "chain": 0, "chain_nodes": "-", "rows": tree_rows,
+                     "accept_length": new_tokens / alone})
+        for chain in args.chains:
+            for fed in (False, True):
+                steps = sum(hybrid_steps(trees, p, a.prompt, a.tokens, chain, fed) for p, a in zip(paths, answers))
+                rows.append({"tree": name, "chain": chain, "chain_nodes": "fed" if fed else "bare",
+                             "rows": tree_rows + chain * (1 + n if fed else 1), "accept_length": new_tokens / steps})
+    for chain in args.chains:  # prompt lookup alone (transformers' prompt_lookup_num_tokens, one chain a step)
+        steps = sum(lookup_steps(a.prompt, a.tokens, chain) for a in answers)
+        rows.append({"tree": "none (prompt lookup alone)", "chain": chain, "chain_nodes": "bare", "rows": chain,
+                     "accept_length": new_tokens / steps})
+    print(f"{len(answers)} answers, {new_tokens} tokens ({args.answers})")
+    print("| tree | chain | chain nodes | rows a step | accept length |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['tree']} | {r['chain']} | {r['chain_nodes']} | {r['rows']} | {r['accept_length']:.3f} |")
+    if args.output:
+        from ppd.files import atomic_write_json
+
+        atomic_write_json(args.output, {"answers": args.answers, "count": len(answers), "new_tokens": new_tokens,
+                                        "adapter": loaded.adapter, "rows": rows,
+                                        "command": "python " + " ".join(sys.argv),
+                                        "environment": environment(loaded.decoder.device)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
