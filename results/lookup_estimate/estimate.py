@@ -94,6 +94,17 @@ def lookup_steps(prompt: list[int], answer: list[int], chain: int) -> int:
     return steps
 
 
+LOOP = 32  # an answer loops where its last LOOP tokens occurred earlier in it, verbatim
+
+
+def loops(answer: list[int]) -> bool:
+    """Whether ``answer`` ends in a verbatim repeat of an earlier block of :data:`LOOP` tokens."""
+    if len(answer) < 2 * LOOP:
+        return False
+    tail = answer[-LOOP:]
+    return any(answer[i:i + LOOP] == tail for i in range(len(answer) - 2 * LOOP + 1))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--answers", required=True, help="JSONL of eval.gen_answers (temperature 0)")
@@ -117,39 +128,58 @@ def main(argv: list[str] | None = None) -> int:
         guesses = guess_top(model, [a.prompt + a.tokens for a in answers], [len(a.prompt) for a in answers], top_k,
                             progress=bar.update)
     paths = [match_paths(ids, a.prompt + a.tokens, len(a.prompt)) for (ids, _), a in zip(guesses, answers)]
-    new_tokens = sum(len(a.tokens) for a in answers)
     n = prompt_tokens.num_prompt_tokens
+    subsets = {"all": [True] * len(answers)}
+    subsets["looping"] = [loops(a.tokens) for a in answers]
+    subsets["not looping"] = [not x for x in subsets["looping"]]
     rows = []
-    for name, trees in named.items():
-        tree_rows = trees.max_rows(prompt_tokens.num_ensemble)
-        alone = sum(replay(trees, p, len(a.tokens))[1] for p, a in zip(paths, answers))
-        check = sum(hybrid_steps(trees, p, a.prompt, a.tokens, 0, False) for p, a in zip(paths, answers))
-        if check != alone:
-            raise SystemExit(f"the hybrid walk without a chain took {check} steps, replay {alone}: a bug here")
-        rows.append({"tree": name, "chain": 0, "chain_nodes": "-", "rows": tree_rows,
-                     "accept_length": new_tokens / alone})
-        for chain in args.chains:
-            for fed in (False, True):
-                steps = sum(hybrid_steps(trees, p, a.prompt, a.tokens, chain, fed) for p, a in zip(paths, answers))
-                rows.append({"tree": name, "chain": chain, "chain_nodes": "fed" if fed else "bare",
-                             "rows": tree_rows + chain * (1 + n if fed else 1), "accept_length": new_tokens / steps})
-    for chain in args.chains:  # prompt lookup alone (transformers' prompt_lookup_num_tokens, one chain a step)
-        steps = sum(lookup_steps(a.prompt, a.tokens, chain) for a in answers)
-        rows.append({"tree": "none (prompt lookup alone)", "chain": chain, "chain_nodes": "bare", "rows": chain,
-                     "accept_length": new_tokens / steps})
-    print(f"{len(answers)} answers, {new_tokens} tokens ({args.answers})")
-    print("| tree | chain | chain nodes | rows a step | accept length |")
-    print("|---|---|---|---|---|")
+    for subset, keep in subsets.items():
+        picked = [(p, a) for p, a, k in zip(paths, answers, keep) if k]
+        if picked:
+            rows += estimate_rows(named, picked, args.chains, n, prompt_tokens.num_ensemble, subset)
+    new_tokens = sum(len(a.tokens) for a in answers)
+    print(f"{len(answers)} answers, {new_tokens} tokens ({args.answers}); "
+          f"{sum(subsets['looping'])} end in a verbatim loop of {LOOP} tokens")
+    print("| answers | tree | chain | chain nodes | rows a step | accept length |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['tree']} | {r['chain']} | {r['chain_nodes']} | {r['rows']} | {r['accept_length']:.3f} |")
+        print(f"| {r['answers']} ({r['count']}) | {r['tree']} | {r['chain']} | {r['chain_nodes']} | {r['rows']} | "
+              f"{r['accept_length']:.3f} |")
     if args.output:
         from ppd.files import atomic_write_json
 
         atomic_write_json(args.output, {"answers": args.answers, "count": len(answers), "new_tokens": new_tokens,
-                                        "adapter": loaded.adapter, "rows": rows,
+                                        "looping": sum(subsets["looping"]), "adapter": loaded.adapter, "rows": rows,
                                         "command": "python " + " ".join(sys.argv),
                                         "environment": environment(loaded.decoder.device)})
     return 0
+
+
+def estimate_rows(named: dict[str, TreeSet], picked, chains, n: int, ensemble: int, subset: str) -> list[dict]:
+    """Accept lengths over the (match paths, answer) pairs ``picked``: each tree alone, with each chain length
+    bare and fed, and prompt lookup alone."""
+    answers = [a for _, a in picked]
+    new_tokens = sum(len(a.tokens) for a in answers)
+    base = {"answers": subset, "count": len(answers), "new_tokens": new_tokens}
+    rows = []
+    for name, trees in named.items():
+        tree_rows = trees.max_rows(ensemble)
+        alone = sum(replay(trees, p, len(a.tokens))[1] for p, a in picked)
+        check = sum(hybrid_steps(trees, p, a.prompt, a.tokens, 0, False) for p, a in picked)
+        if check != alone:
+            raise SystemExit(f"the hybrid walk without a chain took {check} steps, replay {alone}: a bug here")
+        rows.append({**base, "tree": name, "chain": 0, "chain_nodes": "-", "rows": tree_rows,
+                     "accept_length": new_tokens / alone})
+        for chain in chains:
+            for fed in (False, True):
+                steps = sum(hybrid_steps(trees, p, a.prompt, a.tokens, chain, fed) for p, a in picked)
+                rows.append({**base, "tree": name, "chain": chain, "chain_nodes": "fed" if fed else "bare",
+                             "rows": tree_rows + chain * (1 + n if fed else 1), "accept_length": new_tokens / steps})
+    for chain in chains:  # prompt lookup alone (transformers' prompt_lookup_num_tokens, one chain a step)
+        steps = sum(lookup_steps(a.prompt, a.tokens, chain) for a in answers)
+        rows.append({**base, "tree": "none (prompt lookup alone)", "chain": chain, "chain_nodes": "bare",
+                     "rows": chain, "accept_length": new_tokens / steps})
+    return rows
 
 
 if __name__ == "__main__":
