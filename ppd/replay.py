@@ -175,19 +175,30 @@ def replay(trees: TreeSet, paths: Sequence[RankPath], answer_length: int,
                          f"least, got {len(paths)}")
     if trees.confident and log_probs is None:
         raise ValueError("a confident tree set chooses its trees from the guesses' log-probabilities: pass them")
-    attached = {key: {(): tree.root_prompt_tokens, **dict(zip(tree.paths, tree.prompt_tokens))}
-                for key, tree in trees.trees.items()}
+    attached = fixed_nodes(trees)
     emitted, steps, key = 1, 0, trees.num_prompt_tokens
     while emitted < answer_length:
         nodes = chosen_tree(trees, key, log_probs[emitted - 1]) if trees.confident else attached[key]
         match = paths[emitted - 1]
-        depth = 0
-        while depth < len(match) and match[: depth + 1] in nodes:
-            depth += 1
+        depth = accepted_depth(nodes, match)
         key = nodes[match[:depth]]
         emitted += depth + 1
         steps += 1
     return answer_length, steps
+
+
+def fixed_nodes(trees: TreeSet) -> dict[int, dict[RankPath, int]]:
+    """Each key's tree as its paths with their attached prompt-token counts, the root (``()``) included."""
+    return {key: {(): tree.root_prompt_tokens, **dict(zip(tree.paths, tree.prompt_tokens))}
+            for key, tree in trees.trees.items()}
+
+
+def accepted_depth(nodes: dict[RankPath, int], match: RankPath) -> int:
+    """How deep a step with tree ``nodes`` accepts: its deepest path that is a prefix of the match path."""
+    depth = 0
+    while depth < len(match) and match[: depth + 1] in nodes:
+        depth += 1
+    return depth
 
 
 def chosen_tree(trees: TreeSet, key: int, log_probs: np.ndarray) -> dict[RankPath, int]:

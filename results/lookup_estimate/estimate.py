@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from eval.records import environment
 from eval.replay import answers_of_records, read_records
 from ppd.cli import add_adapter_args, add_model_args, load_decoder_or_exit
-from ppd.replay import guess_top, match_paths, replay
+from ppd.replay import accepted_depth, fixed_nodes, guess_top, match_paths, replay
 from ppd.training import PromptTokenModel
 from ppd.tree import TreeSet
 
@@ -60,8 +60,7 @@ def matched(chain: list[int], answer: list[int], at: int) -> int:
 def hybrid_steps(trees: TreeSet, paths, prompt: list[int], answer: list[int], chain: int, fed: bool) -> int:
     """Steps greedy PPD takes for ``answer`` with a lookup chain of ``chain`` tokens beside each step's tree
     (``fed``: chain nodes carry prompt tokens; else a step after a chain's win has no tree)."""
-    attached = {key: {(): tree.root_prompt_tokens, **dict(zip(tree.paths, tree.prompt_tokens))}
-                for key, tree in trees.trees.items()}
+    attached = fixed_nodes(trees)
     n = trees.num_prompt_tokens
     emitted, steps, key = 1, 0, n
     while emitted < len(answer):
@@ -69,8 +68,7 @@ def hybrid_steps(trees: TreeSet, paths, prompt: list[int], answer: list[int], ch
         tree_depth, next_key = 0, n
         if key > 0:
             nodes, match = attached[key], paths[emitted - 1]
-            while tree_depth < len(match) and match[: tree_depth + 1] in nodes:
-                tree_depth += 1
+            tree_depth = accepted_depth(nodes, match)
             next_key = nodes[match[:tree_depth]]
         chain_depth = matched(lookup(prompt + answer[:emitted], chain), answer, emitted) if chain else 0
         if chain_depth > tree_depth:
