@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> tuple[dict, PartialRun]:
     # Each batch size is written as soon as it is measured.
     partial = PartialRun(args.output, run_settings(args, device, ("batch_sizes", "output", "plot")))
     variants = {"baseline": (decoder, "baseline"), "ppd": (decoder, "ppd")}
-    for name, trees in tree_files(args.trees, args.tree_choice).items():
+    for name, trees in tree_files(args.trees, args.tree_choice, args.lookup).items():
         variants[variant_name(name)] = (decoder.with_trees(trees), "ppd")
     header = {"model": loaded.info.model_id, "adapter": loaded.adapter, "tree": loaded.tree, "bench": args.bench,
               "max_new_tokens": args.max_new_tokens, "capture": args.capture,

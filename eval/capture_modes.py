@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         loaded = load_decoder_or_exit(args)
         decoder, source = loaded.decoder, loaded.info.model_id
     decoders = ({name: decoder.with_trees(trees)
-                 for name, trees in tree_files(args.trees, args.tree_choice).items()}
+                 for name, trees in tree_files(args.trees, args.tree_choice, args.lookup).items()}
                 or {"adapter's tree": decoder})
     start = time.perf_counter()
     results = []

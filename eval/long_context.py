@@ -258,7 +258,7 @@ def run(args: argparse.Namespace) -> tuple[dict, PartialRun]:
     # Each method on the loaded decoder, then each --trees file on a decoder of its own.
     variants = {**{m: (decoder, m) for m in args.methods},
                 **{variant_name(f): (decoder.with_trees(trees), "ppd")
-                   for f, trees in tree_files(args.trees, args.tree_choice).items()}}
+                   for f, trees in tree_files(args.trees, args.tree_choice, args.lookup).items()}}
     device = decoder.device
     check_contexts(args.contexts, args.max_new_tokens, decoder.capacity, decoder.capacity_reason)
     # Each context and batch size is written once all its methods are measured.

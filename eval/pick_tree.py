@@ -75,8 +75,13 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--batch_sizes times one capture mode (--capture), not --captures")
         if args.max_seq_len is None:  # each tree's caches at every batch size: keep them to what the timing needs
             args.max_seq_len = args.context + 8 * args.steps + 512
-    sets = tree_files(args.trees, args.tree_choice)
+    sets = tree_files(args.trees, args.tree_choice, args.lookup)
     if args.accept_lengths is None:
+        chained = [name for name, trees in sets.items() if trees.lookup]
+        if chained:
+            print(f"error: {', '.join(chained)} verify a lookup chain, which no accuracy table rates: rate them with "
+                  "--accept_lengths (an eval.replay record)", file=sys.stderr)
+            return 2
         missing = [name for name, trees in sets.items() if not trees.metadata.get("accuracy")]
         if missing:
             print(f"error: {', '.join(missing)} record no accuracy table in their metadata (make them with "

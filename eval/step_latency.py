@@ -49,12 +49,14 @@ def timing_prompt(decoder: Decoder, context: int) -> list[int]:
     return [(31 * i + 7) % vocab for i in range(context)]
 
 
-def tree_decoders(loaded, names: list[str], choice: str | None = None) -> Iterator[tuple[str, Decoder]]:
-    """(name, decoder) for each tree-set file named (candidates chosen as ``choice`` says where given), each a
-    decoder of the loaded model over it; with none named, the loaded decoder and the tree set it came with."""
+def tree_decoders(loaded, names: list[str], choice: str | None = None,
+                  lookup: int | None = None) -> Iterator[tuple[str, Decoder]]:
+    """(name, decoder) for each tree-set file named (candidates chosen as ``choice`` says and a lookup chain of
+    ``lookup`` nodes, where given), each a decoder of the loaded model over it; with none named, the loaded
+    decoder and the tree set it came with."""
     if not names:
         yield loaded.tree, loaded.decoder
-    for name, trees in tree_files(names, choice).items():
+    for name, trees in tree_files(names, choice, lookup).items():
         yield name, loaded.decoder.with_trees(trees)
 
 
@@ -91,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.baseline:
             results.append({"tree": "baseline (1 row)", **step_time(decoder, "baseline", args.context, args.steps,
                                                                     args.capture, args.batch_size)})
-        for name, decoder in tree_decoders(loaded, args.trees, args.tree_choice):
+        for name, decoder in tree_decoders(loaded, args.trees, args.tree_choice, args.lookup):
             results.append({"tree": name, **step_time(decoder, "ppd", args.context, args.steps, args.capture,
                                                       args.batch_size)})
     print("| tree | rows | step ms | capture s |\n|---|---|---|---|")

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append({"tree": "baseline (1 row)", **profile_steps(loaded.decoder, "baseline", args)})
         if args.with_loaded and args.trees:
             results.append({"tree": f"{loaded.tree} (as loaded)", **profile_steps(loaded.decoder, "ppd", args)})
-        for name, decoder in tree_decoders(loaded, args.trees, args.tree_choice):
+        for name, decoder in tree_decoders(loaded, args.trees, args.tree_choice, args.lookup):
             results.append({"tree": name, **profile_steps(decoder, "ppd", args)})
     print("| tree | rows | wall us/step | kernels/step | device us/step |\n|---|---|---|---|---|")
     for r in results:

@@ -123,7 +123,9 @@ def walk_tree(node_logits: torch.Tensor, node_tokens: torch.Tensor, parent_row: 
             break
         child = is_candidate & (parent_row == current[:, None]) & (candidates == drawn[:, None])
         walking = walking & child.any(1)
-        # The children of a node carry distinct tokens (distinct ranks of one top-k): at most one matches.
+        # The children of a node carry distinct tokens (distinct ranks of one top-k), but a lookup chain's node may
+        # repeat a guess beside it: the first that matches is taken. Either stands for the same text, so the law of
+        # what is emitted is the same whichever is walked.
         current = torch.where(walking, child.long().argmax(1) + 1, current)
         accepted = accepted + walking.long()
         path.append(current)

@@ -52,6 +52,10 @@ def add_adapter_args(parser: argparse.ArgumentParser) -> None:
                        help="where each step's candidates come from: fixed (the tree's paths) or confident (as many "
                             "candidates as the tree has, the paths this step's guesses are surest of) "
                             "(default: as the tree set says, fixed unless it names another)")
+    group.add_argument("--lookup", type=int, default=None, metavar="NODES",
+                       help="verify beside each step's tree a chain of this many candidates found by prompt lookup "
+                            "(the tokens after the latest earlier occurrence of the text's last tokens); 0: none "
+                            "(default: as the tree set says, none unless it names a chain)")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -123,15 +127,16 @@ def load_decoder(args: argparse.Namespace, with_prompt_tokens: bool = True) -> L
     files, choice = None, TreeChoice(None, None, "none")
     if with_prompt_tokens:
         files, choice = prompt_tokens_and_trees(model, tokenizer, info, given, given_trees, str(tree))
-        if (picked := getattr(args, "tree_choice", None)) is not None:
+        picked, lookup = getattr(args, "tree_choice", None), getattr(args, "lookup", None)
+        if picked is not None or lookup is not None:
             trees = choice.trees
             if trees is None and choice.policy is None:  # the packaged default the decoder would take
                 config = files.prompt_tokens.config
                 trees = default_tree_set(config.num_prompt_tokens, config.num_ensemble)
             choice = dataclasses.replace(
-                choice, trees=trees.chosen(picked) if trees is not None else None,
-                policy=choice.policy.chosen(picked) if choice.policy is not None else None,
-                source=f"{choice.source} ({picked})")
+                choice, trees=edited(trees, picked, lookup) if trees is not None else None,
+                policy=choice.policy.each(lambda t: edited(t, picked, lookup)) if choice.policy is not None else None,
+                source=f"{choice.source}{edit_label(picked, lookup)}")
     decoder = Decoder(model, files.prompt_tokens if files else None, choice.trees,
                       eos_token_ids=eos_ids_of(model, tokenizer), max_seq_len=getattr(args, "max_seq_len", None),
                       policy=choice.policy,
@@ -155,19 +160,34 @@ def load_decoder_or_exit(args: argparse.Namespace, with_prompt_tokens: bool = Tr
         raise SystemExit(2) from None
 
 
-def tree_files(names, choice: str | None = None) -> dict[str, TreeSet]:
+def edited(trees: TreeSet, choice: str | None, lookup: int | None) -> TreeSet:
+    """``trees`` with candidates chosen as ``choice`` says and a lookup chain of ``lookup`` nodes, where given."""
+    if choice is not None:
+        trees = trees.chosen(choice)
+    return trees if lookup is None else trees.with_lookup(lookup)
+
+
+def edit_label(choice: str | None, lookup: int | None) -> str:
+    """What :func:`edited` changes, for a tree set's name: `` (confident)``, `` (lookup 8)``, or nothing."""
+    parts = ([choice] if choice is not None else []) + ([f"lookup {lookup}"] if lookup is not None else [])
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def tree_files(names, choice: str | None = None, lookup: int | None = None) -> dict[str, TreeSet]:
     """The tree-set files a tool compares (its ``--trees``), by name, with candidates chosen as ``choice`` says
-    where it is given (``--tree_choice`` applies to them as to the decoder's own trees); a file whose own choice
-    it changes is named ``<file> (<choice>)``. What cannot be read ends the program as
-    :func:`load_decoder_or_exit` does."""
+    and a lookup chain of ``lookup`` nodes where given (``--tree_choice`` and ``--lookup`` apply to them as to the
+    decoder's own trees); a file they change is named ``<file> (<what changed>)``. What cannot be read ends the
+    program as :func:`load_decoder_or_exit` does."""
     found = {}
     for name in names or []:
         try:
             trees = TreeSet.load(name)
+            changed = edited(trees, choice, lookup)
         except LOAD_ERRORS as err:
             print(f"error: {err}", file=sys.stderr)
             raise SystemExit(2) from None
-        if choice is not None and trees.choice is not CandidateChoice(choice):
-            trees, name = trees.chosen(choice), f"{name} ({choice})"
-        found[name] = trees
+        # (named for what it changes in this file: a file that already is as asked keeps its name)
+        name += edit_label(choice if changed.choice is not trees.choice else None,
+                           lookup if changed.lookup != trees.lookup else None)
+        found[name] = changed
     return found

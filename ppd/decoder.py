@@ -253,12 +253,18 @@ class Decoder:
     def _new_state(self, batch_size: int) -> DecodeState:
         t = self.tables
         n_prompt = t.num_prompt_tokens if t else 0
-        # A step emits at most N + 1 tokens (a path is at most N deep), whatever the tree set: the report has a
-        # column for each of them.
+        # A step emits at most N + 1 tokens (a path is at most N deep), or L + 1 with a longer lookup chain, whatever
+        # the tree set: the report has a column for each of them.
+        emitted = max((x.most_emitted for x in self._tables_of.values()), default=MIN_SIZE + 1)
         layers = self.model.config.get_text_config().num_hidden_layers  # a multimodal model: its text model's
         return DecodeState(layers, batch_size, self._state_slots(), n_prompt, t.top_k if t else 0,
-                           t.most_emitted if t else MIN_SIZE + 1, MAX_EOS_IDS, self.device, reserved=INITIAL_SLOTS,
-                           spare_slots=0 if self.lm.flex else 1)
+                           emitted, MAX_EOS_IDS, self.device, reserved=INITIAL_SLOTS,
+                           spare_slots=0 if self.lm.flex else 1, history=self.looks_up)
+
+    @property
+    def looks_up(self) -> bool:
+        """Whether any tree set of the decoder has a prompt-lookup chain (its states then keep each row's text)."""
+        return any(x.lookup for x in self._tables_of.values())
 
     def with_trees(self, trees: TreeSet) -> "Decoder":
         """A decoder of the same model, prompt tokens, EOS ids and cache size over another tree set (at every

@@ -14,11 +14,12 @@ conversation grows long, the decoder runs the one-row step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .files import atomic_write_json, check_format_version, load_json_file
-from .tree import CandidateChoice, TreeSet
+from .tree import TreeSet
 
 POLICY_FORMAT_VERSION = 1
 
@@ -59,10 +60,10 @@ class BatchPolicy:
         """The widest attention (cache slots) a batch of ``size`` rows runs its tree at (``None``: any)."""
         return self.max_widths[self._index(size)]
 
-    def chosen(self, choice: CandidateChoice | str) -> "BatchPolicy":
-        """The same policy with every tree set's candidates chosen as ``choice`` says."""
+    def each(self, edit: Callable[[TreeSet], TreeSet]) -> "BatchPolicy":
+        """The same policy with ``edit`` applied to every tree set (once to a set that serves several buckets)."""
         made: dict[int, TreeSet] = {}
-        trees = tuple(None if t is None else made.setdefault(id(t), t.chosen(choice)) for t in self.trees)
+        trees = tuple(None if t is None else made.setdefault(id(t), edit(t)) for t in self.trees)
         return replace(self, trees=trees)
 
     @property

@@ -12,10 +12,16 @@ written; ``confident``, as many candidates as the key's tree has, chosen anew at
 attached prompt-token counts handed out largest first in that order: each step has the written tree's rows,
 spent where this step's guesses are surest (``ppd.decoding.confident``).
 
+A tree set's ``lookup`` (0: none) adds to every fixed tree a chain of that many nodes beside its candidates, whose
+tokens come from prompt lookup instead of the guesses: the tokens that followed the latest earlier occurrence of
+the text's last few tokens, in the prompt or in the answer so far (``ppd.decoding.lookup``). Chain nodes carry no
+prompt tokens; a step that accepts a chain's node is followed by the key-0 tree, the root with N prompt tokens and
+the chain alone.
+
 JSON layout (``ppd/trees/*.json``)::
 
     {"format_version": 1, "num_prompt_tokens": 3, "top_k": 10, "metadata": {...}, "choice": "fixed",
-     "trees": {"3": {"root_prompt_tokens": 3,
+     "lookup": 8, "trees": {"3": {"root_prompt_tokens": 3,
                      "nodes": [{"path": [0], "prompt_tokens": 3}, {"path": [0, 0], "prompt_tokens": 2}]}}}
 """
 
@@ -35,6 +41,7 @@ from .files import atomic_write_json, check_format_version, load_json_file
 
 TREE_FORMAT_VERSION = 1
 DEFAULT_TREE_FILE = "default.json"
+MAX_LOOKUP = 64  # the longest prompt-lookup chain a tree set may ask for
 
 
 @dataclass(frozen=True)
@@ -102,10 +109,15 @@ class TreeSet:
     trees: dict[int, Tree]
     metadata: dict = field(default_factory=dict)
     choice: CandidateChoice = CandidateChoice.FIXED
+    lookup: int = 0  # prompt-lookup chain nodes beside each tree (0: none)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "choice", CandidateChoice(self.choice))
         n, k = self.num_prompt_tokens, self.top_k
+        if not 0 <= self.lookup <= MAX_LOOKUP:
+            raise ValueError(f"a tree set's lookup chain must have 0..{MAX_LOOKUP} nodes, got {self.lookup}")
+        if self.lookup and self.confident:
+            raise ValueError("a prompt-lookup chain is built beside fixed trees only, not beside confident ones")
         if set(self.trees) != set(range(1, n + 1)):
             raise ValueError(f"a tree set for N={n} needs trees for depth keys 1..{n}, got {sorted(self.trees)}")
         for key, tree in self.trees.items():
@@ -128,12 +140,16 @@ class TreeSet:
     def identity(self) -> tuple:
         """The trees, their top-k and their choice without the metadata: equal for two files that verify the same
         candidates the same way (how a measurement of one file is found for another)."""
-        return (self.num_prompt_tokens, self.top_k, self.choice.value,
+        return (self.num_prompt_tokens, self.top_k, self.choice.value, self.lookup,
                 tuple((k, t.paths, t.prompt_tokens, t.root_prompt_tokens) for k, t in sorted(self.trees.items())))
 
     def chosen(self, choice: CandidateChoice | str) -> "TreeSet":
         """The same trees with candidates chosen as ``choice`` says."""
         return replace(self, choice=CandidateChoice(choice))
+
+    def with_lookup(self, nodes: int) -> "TreeSet":
+        """The same trees with a prompt-lookup chain of ``nodes`` beside them (0: none)."""
+        return replace(self, lookup=nodes)
 
     def to_json(self) -> dict:
         return {
@@ -142,6 +158,7 @@ class TreeSet:
             "top_k": self.top_k,
             "metadata": self.metadata,
             "choice": self.choice.value,
+            **({"lookup": self.lookup} if self.lookup else {}),
             "trees": {str(key): self.trees[key].to_json() for key in sorted(self.trees)},
         }
 
@@ -158,6 +175,7 @@ class TreeSet:
             trees={int(key): Tree.from_json(tree) for key, tree in data["trees"].items()},
             metadata=dict(data.get("metadata", {})),
             choice=CandidateChoice(choice),
+            lookup=int(data.get("lookup", 0)),
         )
 
     def save(self, path: str | Path) -> None:

@@ -29,6 +29,7 @@ from ..config import CaptureMode, DecodeConfig, DecodeMethod
 from ..downloads import Download
 from ..prefill import average_copies, build_prefill
 from .graphs import StepRunner, captures_graphs, compile_limits, compiles_prefill, inductor_options, resolve_mode
+from . import lookup
 from .prefill_graphs import PrefillGraphs
 from .state import LENGTH, MAX_LENGTH, REASONS, REPORT_HEAD, DecodeState
 from .step import LanguageModel, StepKind, next_tokens, set_guesses, start_rows
@@ -329,4 +330,6 @@ def prefill(decoder: "Decoder", batch: list[list[int]], state: DecodeState, use_
     if use_ppd:
         set_guesses(state, average_copies(rows[:, 1:], n_prompt, V), decoder.guess_k, n)
         state.key[:n] = n_prompt
+    if state.history is not None:
+        lookup.start(state.history, batch, state.root)
     start_rows(state)

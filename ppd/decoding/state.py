@@ -15,6 +15,8 @@ Per batch row b (a bucket may hold padding rows, which start finished):
   (:data:`RUNNING`, :data:`EOS`, :data:`LENGTH`, :data:`MAX_LENGTH`), ``limit_reason[b]`` the reason its
   limit stands for.
 - ``report[b]``: what the last step did, ``[count, accepted, reason, length, tokens...]``.
+- ``history[b]``: the row's text by position (the prompt, the committed tokens, the root), kept only for a
+  decoder with a prompt-lookup chain (``ppd.decoding.lookup``; else ``None``).
 - ``eos[b]``: the row's EOS ids (-1 padded); ``seed[b]``, ``temperature[b]``, ``top_k[b]``, ``top_p[b]``,
   ``typical[b]`` with the typical-acceptance bounds, and ``greedy[b]``: the row's own sampling settings, so
   that requests with different settings can share a batch (a greedy row in a sampled step still takes the
@@ -40,7 +42,7 @@ REPORT_HEAD = 4  # count, accepted guesses, reason, length; then the emitted tok
 class DecodeState:
     def __init__(self, num_layers: int, batch_size: int, capacity: int, num_prompt_tokens: int, top_k: int,
                  max_emit: int, num_eos: int, device: torch.device, reserved: int | None = None,
-                 spare_slots: int = 0):
+                 spare_slots: int = 0, history: bool = False):
         self.batch_size = batch_size
         self.capacity = capacity
         self.device = device
@@ -73,6 +75,8 @@ class DecodeState:
         self.greedy = torch.ones(B, dtype=torch.bool, device=device)
         # Slot numbers 0..capacity-1; a step attends over a prefix of them (its width).
         self.slot_ids = torch.arange(capacity, device=device)
+        # Room for every position a row's text reaches: the cache's slots, then one step's tokens past the last.
+        self.history = longs(B, capacity + max_emit + 1) if history else None
 
     # Every per-row buffer except the KV cache.
     ROW_BUFFERS = ("lengths", "root", "guesses", "guess_log_probs", "key", "generated", "limit", "reason",
@@ -80,13 +84,13 @@ class DecodeState:
                    "posterior_threshold", "posterior_alpha", "greedy")
 
     def row_tensors(self) -> list[torch.Tensor]:
-        return [getattr(self, name) for name in self.ROW_BUFFERS]
+        return [getattr(self, name) for name in self.ROW_BUFFERS] + ([] if self.history is None else [self.history])
 
     def rows(self, start: int, stop: int) -> "DecodeState":
         """A state of rows ``[start, stop)`` that shares this one's buffers (writes go through)."""
         view = object.__new__(DecodeState)
         view.__dict__.update(self.__dict__)
-        for name in self.ROW_BUFFERS:
+        for name in self.ROW_BUFFERS + (() if self.history is None else ("history",)):
             setattr(view, name, getattr(self, name)[start:stop])
         view.batch_size = stop - start
         view.kv = self.kv.rows(start, stop)

@@ -29,7 +29,7 @@ from ..prefill import average_copies
 from .state import EOS, REPORT_HEAD, RUNNING, DecodeState
 from .kv_cache import cache_keyword
 from .support import LogitTransform, UnsupportedModelError, checked_transform, refuse_by_design
-from . import grouped_attention, tree_attention
+from . import grouped_attention, lookup, tree_attention
 from .confident import top_guesses
 from .tables import RowTrees, TreeTables
 
@@ -209,7 +209,12 @@ def generate_candidates(lm: LanguageModel, tables: TreeTables | None, prompt_emb
         allowed = torch.ones(1, 1, dtype=torch.bool, device=node_tokens.device)
         return Candidates(node_tokens, lm.embed(node_tokens), torch.zeros_like(node_tokens), allowed)
     trees = tables.for_rows(state)
-    candidates = state.guesses.flatten(1).gather(1, trees.candidate_index)  # [B, C]
+    guesses = state.guesses.flatten(1)  # [B, N * K]
+    if tables.lookup:  # the chain's tokens follow the guesses; a node the lookup did not fill is never accepted
+        chain, real = lookup.propose(state.history, state.lengths, tables.lookup)
+        guesses = torch.cat([guesses, chain], dim=1)
+        trees = tables.with_chain(trees, real)
+    candidates = guesses.gather(1, trees.candidate_index)  # [B, C]
     node_tokens = torch.cat([state.root[:, None], candidates], dim=1)
     embeds = torch.cat([lm.embed(node_tokens), prompt_embeds[state.key]], dim=1)
     prompt_rows = None
@@ -311,6 +316,8 @@ def update_inference_inputs(lm: LanguageModel, tables: TreeTables | None, state:
         set_guesses(state, prompt_logits, tables.top_k, log_probs=tables.confident)
         state.key.copy_(torch.where(running, trees.node_prompt_count[batch, last], state.key))
         state.kv.compact(state.lengths[:, None] + path, state.lengths)
+    if state.history is not None:
+        lookup.record(state.history, state.lengths, emitted, running)
     state.root.copy_(torch.where(running, new_root, state.root))
     committed = torch.where(running, accepted + 1, 0)
     _finish(state, emitted, committed, committed, accepted)

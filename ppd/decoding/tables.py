@@ -8,16 +8,23 @@ to itself, and nothing reads its logits.
 
 Row layout of every padded tree: row 0 the root, rows ``1..C`` the candidates (parents before children,
 padding last), rows ``C + 1 .. T - 1`` the attached prompt-token rows (padding last).
+
+A tree set with a prompt-lookup chain of L nodes (``TreeSet.lookup``) has its last L candidate rows hold the chain:
+row ``chain_row + i`` is the child of the row before it (the root for the first), its candidate index points past
+the guesses (``N * K + i``, into the lookup's tokens that the step appends to them), it carries no prompt tokens,
+and the last path is the chain's. Key 0, unused otherwise, is then the root with N prompt tokens and no guessed
+candidate: the tree after a step that accepted a chain node (whose guesses no prompt row made).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from ..config import AttentionType
-from ..tree import TreeBuffers, TreeSet
+from ..tree import Tree, TreeBuffers, TreeSet
 
 
 MIN_SIZE = 2  # the least padded size of every tree dimension (see ``TreeTables.build``)
@@ -60,6 +67,8 @@ class TreeTables:
     node_prompt_rows: torch.Tensor  # long [N+1, 1+C, N*V]: rows of each node's attached prompt tokens
     node_prompt_count: torch.Tensor  # long [N+1, 1+C]: prompt tokens attached to each node (the next key)
     max_offset: int  # largest position offset of any row of any tree
+    lookup: int = 0  # L, the prompt-lookup chain's nodes (0: none)
+    chain_row: int = 0  # the row of the chain's first node
 
     confident = False  # candidates chosen per step (``ppd.decoding.confident.ConfidentTables``)
 
@@ -71,11 +80,22 @@ class TreeTables:
                         self.retrieve_indices[key], self.retrieve_valid[key], self.node_prompt_rows[key],
                         self.node_prompt_count[key])
 
+    def with_chain(self, trees: RowTrees, real: torch.Tensor) -> RowTrees:
+        """``trees`` (this set's, for each row) with the lookup chain's nodes that ``real`` [B, L] leaves out made
+        padding: no candidate, on no path."""
+        first, L = self.chain_row - 1, self.lookup
+        candidates = trees.is_candidate
+        is_candidate = torch.cat([candidates[:, :first], real, candidates[:, first + L:]], dim=1)
+        paths = trees.retrieve_valid
+        chain = torch.cat([paths[:, -1, :1], real, paths[:, -1, 1 + L:]], dim=1)
+        return dataclasses.replace(trees, is_candidate=is_candidate,
+                                   retrieve_valid=torch.cat([paths[:, :-1], chain[:, None]], dim=1))
+
     @property
     def most_emitted(self) -> int:
         """The most tokens one step emits for a row, as its report's columns count them: a path is at most N deep
-        (padded to at least MIN_SIZE), then the root."""
-        return max(self.num_prompt_tokens, MIN_SIZE) + 1
+        (padded to at least MIN_SIZE), or L where a lookup chain is longer, then the root."""
+        return max(self.num_prompt_tokens, self.lookup, MIN_SIZE) + 1
 
     @classmethod
     def build(cls, trees: TreeSet, num_ensemble: int, attention_type: AttentionType | str,
@@ -88,16 +108,20 @@ class TreeTables:
             raise ValueError(f"top_k {top_k} is below the tree set's top_k {trees.top_k}")
         per_key = [TreeBuffers.build(trees.trees[key], key, n, num_ensemble, attention_type, top_k)
                    for key in range(1, n + 1)]
-        per_key = [per_key[0]] + per_key  # index 0 repeats key 1
+        L = trees.lookup
+        # Index 0 repeats key 1, or with a lookup chain is the root with N prompt tokens (see the module's docstring).
+        first = TreeBuffers.build(Tree((), (), n), 0, n, num_ensemble, attention_type, top_k) if L else per_key[0]
+        per_key = [first] + per_key
         # Every size the compiled step keeps symbolic is at least 2, and so is the depth (the step's emitted
         # tokens past the root): torch specialises a dimension of size 1, so a tree set with one path (or one
         # candidate, one prompt row, depth 1) would compile a step of its own, in each process, instead of
         # sharing the one step (and Inductor's cached code) of every other set.
-        C = max(max(b.num_nodes for b in per_key) - 1, MIN_SIZE)
+        guessed = max(max(b.num_nodes for b in per_key) - 1, 0 if L else MIN_SIZE)  # candidate rows of the trees
+        C = max(guessed + L, MIN_SIZE)
         prompt_rows = max(max(b.num_rows - b.num_nodes for b in per_key), MIN_SIZE)
         T = 1 + C + prompt_rows
-        depth = max(max(b.depth for b in per_key), MIN_SIZE)
-        paths = max(max(b.retrieve_indices.shape[0] for b in per_key), MIN_SIZE)
+        depth = max(max(b.depth for b in per_key), L, MIN_SIZE)
+        paths = max(max(b.retrieve_indices.shape[0] for b in per_key) + (1 if L else 0), MIN_SIZE)
         NV = n * num_ensemble
         K1 = n + 1
 
@@ -131,6 +155,20 @@ class TreeTables:
             # Each node's attached prompt rows, remapped; unused slots point at row 0 (never read).
             used = torch.arange(NV)[None, :] < count[:, None] * num_ensemble
             node_rows[k, :nodes] = torch.where(used, remap[b.node_prompt_rows.cpu()], 0)
+        chain_row = 1 + guessed
+        if L:  # the chain, the same in every key's tree (its validity is the step's: see ``ppd.decoding.lookup``)
+            rows = torch.arange(chain_row, chain_row + L)
+            candidate_index[:, rows - 1] = n * top_k + torch.arange(L)
+            parent_row[:, rows - 1] = torch.cat([torch.zeros(1, dtype=torch.long), rows[:-1]])
+            is_candidate[:, rows - 1] = True
+            position_offset[:, rows] = torch.arange(1, L + 1)
+            allowed[:, rows[:, None], rows[None, :]] = torch.ones(L, L, dtype=torch.bool).tril()
+            allowed[:, rows, 0] = True
+            retrieve[:, -1] = 0
+            retrieve[:, -1, 1: L + 1] = rows
+            valid[:, -1] = False
+            valid[:, -1, : L + 1] = True
+            node_count[:, rows] = 0
         return cls(
             num_prompt_tokens=n, num_ensemble=num_ensemble, top_k=top_k, num_rows=T, num_candidates=C,
             depth=depth, candidate_index=candidate_index.to(device), parent_row=parent_row.to(device),
@@ -138,5 +176,6 @@ class TreeTables:
             position_offset=position_offset.to(device),
             allowed=allowed.to(device), retrieve_indices=retrieve.to(device), retrieve_valid=valid.to(device),
             node_prompt_rows=node_rows.to(device), node_prompt_count=node_count.to(device),
-            max_offset=max(b.max_offset for b in per_key),
+            max_offset=max(max(b.max_offset for b in per_key), L),
+            lookup=L, chain_row=chain_row,
         )
