@@ -19,6 +19,7 @@ from ppd.serving import BatcherConfig, ContinuousBatcher
 from ppd.tree import CandidateChoice
 from tests.conftest import random_prompt_tokens, random_tree_set, tiny_model
 from tests.test_decoder import hf_greedy
+from tests.test_engine import _compiled_variants
 from tests.test_lossless_sampling import SAMPLES, VOCAB, check, exact_joint, sample_counts
 
 
@@ -62,7 +63,7 @@ def test_steps_record_the_text_the_lookup_reads():
 def test_the_chain_is_laid_out_beside_each_tree_and_key_zero_is_the_root_alone():
     trees = TreeSet(2, 3, {1: Tree(((0,), (1,)), (1, 2), 2), 2: Tree(((0,), (0, 0)), (2, 1), 2)}, lookup=4)
     tables = TreeTables.build(trees, 1, "ensemble")
-    assert (tables.lookup, tables.chain_row, tables.num_candidates) == (4, 3, 6)
+    assert (tables.lookup, tables.num_candidates) == (4, 6) and tables.chain_node.tolist() == [-1, -1, 0, 1, 2, 3]
     assert tables.most_emitted == 5 and tables.depth == 4 and tables.max_offset == 4
     chain = list(range(3, 7))
     for key in range(3):
@@ -121,13 +122,22 @@ def test_greedy_with_lookup_is_the_models_greedy_text_alone_and_in_a_batch(arch)
 def test_compiled_step_with_lookup_equals_the_eager_step():
     torch._dynamo.reset()
     model = tiny_model(seed=32)
+    # (unpacked weights, as on a GPU: MKL's packed weights serve one row count, so a CPU float32 step compiles per
+    # tree size whatever the layout)
     decoder = Decoder(model, random_prompt_tokens(model, 3, 1, seed=32), random_tree_set(seed=32, size=8).with_lookup(5),
-                      max_seq_len=200)
+                      max_seq_len=200, packed_weights=False)
     prompts = _repeating_prompts(32, 3)
-    config = DecodeConfig(max_new_tokens=40, stop_on_eos=False)  # (sampled: tests/test_engine.py, on the GPU)
+    config = DecodeConfig(max_new_tokens=40, stop_on_eos=False)  # (sampled: below, on the GPU)
     eager = decoder.generate(prompts, config)
     compiled = decoder.generate(prompts, dataclasses.replace(config, capture="compile"))
     assert [(o.token_ids, o.steps) for o in compiled] == [(o.token_ids, o.steps) for o in eager]
+    # Another tree set, whose chain starts at another row, runs the same compiled step (the one-row step is not
+    # compiled: the prompts end far from the context window).
+    variants = _compiled_variants()
+    other = decoder.with_trees(random_tree_set(seed=36, size=14).with_lookup(5))
+    assert [o.token_ids for o in other.generate(prompts, dataclasses.replace(config, capture="compile"))] == \
+        [o.token_ids for o in eager]
+    assert _compiled_variants() == variants
 
 
 def test_continuous_batching_with_lookup_decodes_what_requests_decode_alone():

@@ -144,6 +144,8 @@ def _mark_tree_sizes(tables: TreeTables, prompt_embeds: torch.Tensor) -> None:
              (prompt_embeds, (1,))]
     if tables.confident:  # the layout of a confident set's prompt rows (``ppd.decoding.confident``)
         sized += [(tables.prompt_owner, (1,)), (tables.prompt_level, (1,)), (tables.prompt_used, (1,))]
+    if tables.lookup:  # where each set's lookup chain lies among its candidates (``ppd.decoding.lookup``)
+        sized.append((tables.chain_node, (0,)))
     for tensor, dims in sized:
         for dim in dims:
             torch._dynamo.maybe_mark_dynamic(tensor, dim)

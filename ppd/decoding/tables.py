@@ -9,11 +9,12 @@ to itself, and nothing reads its logits.
 Row layout of every padded tree: row 0 the root, rows ``1..C`` the candidates (parents before children,
 padding last), rows ``C + 1 .. T - 1`` the attached prompt-token rows (padding last).
 
-A tree set with a prompt-lookup chain of L nodes (``TreeSet.lookup``) has its last L candidate rows hold the chain:
-row ``chain_row + i`` is the child of the row before it (the root for the first), its candidate index points past
-the guesses (``N * K + i``, into the lookup's tokens that the step appends to them), it carries no prompt tokens,
-and the last path is the chain's. Key 0, unused otherwise, is then the root with N prompt tokens and no guessed
-candidate: the tree after a step that accepted a chain node (whose guesses no prompt row made).
+A tree set with a prompt-lookup chain of L nodes (``TreeSet.lookup``) has L candidate rows more, after the padded
+guessed ones, that hold the chain (``chain_node`` says which): its node i is the child of node i - 1 (the root for
+the first), its candidate index points past the guesses (``N * K + i``, into the lookup's tokens that the step
+appends to them), it carries no prompt tokens, and the last path is the chain's. Key 0, unused otherwise, is then
+the root with N prompt tokens and no guessed candidate: the tree after a step that accepted a chain node (whose
+guesses no prompt row made).
 """
 
 from __future__ import annotations
@@ -68,7 +69,9 @@ class TreeTables:
     node_prompt_count: torch.Tensor  # long [N+1, 1+C]: prompt tokens attached to each node (the next key)
     max_offset: int  # largest position offset of any row of any tree
     lookup: int = 0  # L, the prompt-lookup chain's nodes (0: none)
-    chain_row: int = 0  # the row of the chain's first node
+    # long [C]: which chain node each candidate is (-1: a guessed one). A tensor, not the chain's first row, so
+    # that one compiled step serves tree sets whose chains start at different rows.
+    chain_node: torch.Tensor | None = None
 
     confident = False  # candidates chosen per step (``ppd.decoding.confident.ConfidentTables``)
 
@@ -82,12 +85,11 @@ class TreeTables:
 
     def with_chain(self, trees: RowTrees, real: torch.Tensor) -> RowTrees:
         """``trees`` (this set's, for each row) with the lookup chain's nodes that ``real`` [B, L] leaves out made
-        padding: no candidate, on no path."""
-        first, L = self.chain_row - 1, self.lookup
-        candidates = trees.is_candidate
-        is_candidate = torch.cat([candidates[:, :first], real, candidates[:, first + L:]], dim=1)
+        padding: no candidate, on no path (the chain's, the last)."""
+        node = self.chain_node.expand(real.shape[0], -1)
+        is_candidate = torch.where(node >= 0, real.gather(1, node.clamp_min(0)), trees.is_candidate)
         paths = trees.retrieve_valid
-        chain = torch.cat([paths[:, -1, :1], real, paths[:, -1, 1 + L:]], dim=1)
+        chain = torch.cat([paths[:, -1, :1], real, paths[:, -1, 1 + self.lookup:]], dim=1)
         return dataclasses.replace(trees, is_candidate=is_candidate,
                                    retrieve_valid=torch.cat([paths[:, :-1], chain[:, None]], dim=1))
 
@@ -155,7 +157,8 @@ class TreeTables:
             # Each node's attached prompt rows, remapped; unused slots point at row 0 (never read).
             used = torch.arange(NV)[None, :] < count[:, None] * num_ensemble
             node_rows[k, :nodes] = torch.where(used, remap[b.node_prompt_rows.cpu()], 0)
-        chain_row = 1 + guessed
+        chain_row = 1 + guessed  # the chain's first row
+        chain_node = torch.full((C,), -1, dtype=torch.long)
         if L:  # the chain, the same in every key's tree (its validity is the step's: see ``ppd.decoding.lookup``)
             rows = torch.arange(chain_row, chain_row + L)
             candidate_index[:, rows - 1] = n * top_k + torch.arange(L)
@@ -169,6 +172,7 @@ class TreeTables:
             valid[:, -1] = False
             valid[:, -1, : L + 1] = True
             node_count[:, rows] = 0
+            chain_node[rows - 1] = torch.arange(L)
         return cls(
             num_prompt_tokens=n, num_ensemble=num_ensemble, top_k=top_k, num_rows=T, num_candidates=C,
             depth=depth, candidate_index=candidate_index.to(device), parent_row=parent_row.to(device),
@@ -177,5 +181,5 @@ class TreeTables:
             allowed=allowed.to(device), retrieve_indices=retrieve.to(device), retrieve_valid=valid.to(device),
             node_prompt_rows=node_rows.to(device), node_prompt_count=node_count.to(device),
             max_offset=max(max(b.max_offset for b in per_key), L),
-            lookup=L, chain_row=chain_row,
+            lookup=L, chain_node=chain_node.to(device),
         )
