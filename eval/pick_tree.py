@@ -113,7 +113,7 @@ def replayed_accept_lengths(path: str, adapter: str) -> dict[tuple, float]:
         raise ValueError(f"{path} measured the prompt tokens of {record.get('adapter')!r}, not of {adapter!r}")
     found = {}
     for row in record["trees"]:
-        trees = TreeSet.load(row["tree"]).chosen(row.get("choice", "fixed"))
+        trees = TreeSet.load(row["tree"]).chosen(row.get("choice", "fixed")).with_lookup(int(row.get("lookup", 0)))
         found[trees.identity()] = float(row["accept_length"])
     return found
 

@@ -14,7 +14,8 @@ does on that dataset (``--eval_size 0``: all of them). One packed forward per an
 tokens' guesses at every position; ``ppd.replay`` then counts the steps greedy PPD takes with each tree set
 (by default the one the decoder would use: ``--tree``, the adapter's for this device and dtype, or the
 packaged one), each as its file says or, with ``--choices``, with its candidates chosen each way named
-(``fixed`` paths, or ``confident``: chosen per step from the guesses' probabilities). ``--paths_output``
+(``fixed`` paths, or ``confident``: chosen per step from the guesses' probabilities), and with ``--lookup L`` a
+prompt-lookup chain of L nodes beside each fixed tree (``ppd.decoding.lookup``; 0: none). ``--paths_output``
 writes how often each path of ranks was accepted, for ``eval.build_trees --paths``: count them on held-out
 conversations, never on benchmark answers, so that the trees are not fitted to the questions they are
 measured on. Replaying answers made in another dtype takes their text as this dtype's.
@@ -174,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--limit must be at least 1")
     if args.top_k is not None and args.top_k < 1:
         parser.error("--top_k must be at least 1")
+    if args.lookup and CandidateChoice.CONFIDENT.value in (args.choices or []):
+        parser.error("--lookup chains are built beside fixed trees only: not with --choices confident")
     # What the user names is read before the model loads.
     try:
         named_trees = {name: TreeSet.load(name) for name in args.trees or []}
@@ -231,18 +234,20 @@ def main(argv: list[str] | None = None) -> int:
     V = prompt_tokens.num_ensemble
     results = []
     for name, named_set in trees.items():
-        for tree_set in [named_set.chosen(c) for c in args.choices] if args.choices else [named_set]:
-            steps = sum(replay(tree_set, p, len(a.tokens), log_probs)[1]
+        variants = [named_set.chosen(c) for c in args.choices] if args.choices else [named_set]
+        for tree_set in variants if args.lookup is None else [v.with_lookup(args.lookup) for v in variants]:
+            steps = sum(replay(tree_set, p, len(a.tokens), log_probs, (a.prompt, a.tokens))[1]
                         for p, a, (_, log_probs) in zip(paths, answers, guesses))
-            results.append({"tree": name, "choice": tree_set.choice.value, "rows": tree_set.max_rows(V),
+            results.append({"tree": name, "choice": tree_set.choice.value, "lookup": tree_set.lookup,
+                            "rows": tree_set.max_rows(V),
                             "top_k": tree_set.top_k, "new_tokens": new_tokens, "steps": steps,
                             "accept_length": new_tokens / steps if steps else float(new_tokens)})
 
     print(f"{len(answers)} answers, {new_tokens} tokens, {loaded.adapter} prompt tokens, {dtype}")
-    print("| tree | choice | rows per step | accept length |")
-    print("|---|---|---|---|")
+    print("| tree | choice | lookup chain | rows per step | accept length |")
+    print("|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['tree']} | {r['choice']} | {r['rows']} | {r['accept_length']:.3f} |")
+        print(f"| {r['tree']} | {r['choice']} | {r['lookup']} | {r['rows']} | {r['accept_length']:.3f} |")
     if args.paths_output:
         stats = PathStats(prompt_tokens.num_prompt_tokens, top_k, metadata={
             "source": source, "model": loaded.info.model_id, "adapter": loaded.adapter, "num_ensemble": V,

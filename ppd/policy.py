@@ -78,7 +78,10 @@ class BatchPolicy:
     def describe(self) -> str:
         """One line: each bucket and the rows of its tree (``-`` for none)."""
         def rows(t):
-            return "-" if t is None else str(t.metadata.get("budget", max(len(x.paths) for x in t.trees.values())))
+            if t is None:
+                return "-"
+            budget = str(t.metadata.get("budget", max(len(x.paths) for x in t.trees.values())))
+            return budget + (f" + lookup {t.lookup}" if t.lookup else "")
         return ", ".join(f"<= {b}: {rows(t)}" + ("" if w is None or t is None else f" (to width {w})")
                          for b, t, w in zip(self.buckets, self.trees, self.max_widths))
 

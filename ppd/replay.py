@@ -32,6 +32,7 @@ import torch
 
 from .files import atomic_write_json, check_format_version, load_json_file
 from .decoding.confident import best_paths, top_guesses
+from .decoding.lookup import MAX_NGRAM
 from .tree import TreeSet
 from .tree_builder import CHAIN_WIDTH
 from .training import PromptTokenModel
@@ -157,11 +158,14 @@ def match_paths(guesses: np.ndarray, sequence: Sequence[int], start: int) -> lis
 
 
 def replay(trees: TreeSet, paths: Sequence[RankPath], answer_length: int,
-           log_probs: np.ndarray | None = None) -> tuple[int, int]:
+           log_probs: np.ndarray | None = None, text: tuple[Sequence[int], Sequence[int]] | None = None
+           ) -> tuple[int, int]:
     """``(new_tokens, steps)`` that greedy PPD with ``trees`` takes for an answer of ``answer_length`` tokens
     whose match paths are ``paths`` (``paths[j]`` at cut ``len(prompt) + j``, :func:`match_paths`).
     A ``confident`` tree set chooses each step's tree from the guesses' ``log_probs`` [positions, N, K]
-    (from :func:`guess_top`) as the decoder does (``ppd.decoding.confident``).
+    (from :func:`guess_top`) as the decoder does (``ppd.decoding.confident``). A set with a lookup chain needs the
+    ``text``, the prompt's ids and the answer's: a step accepts the chain's matched tokens where they are more than
+    its tree's path, and the step after runs the key-0 tree (``ppd.decoding.tables``).
 
     As the decoder: the prefill emits the answer's first token and reads the first guesses (key N); a
     step accepts the deepest tree path that is a prefix of the match path, emits it and the next root, and
@@ -175,16 +179,37 @@ def replay(trees: TreeSet, paths: Sequence[RankPath], answer_length: int,
                          f"least, got {len(paths)}")
     if trees.confident and log_probs is None:
         raise ValueError("a confident tree set chooses its trees from the guesses' log-probabilities: pass them")
+    if trees.lookup and text is None:
+        raise ValueError("a tree set with a lookup chain finds its chains in the text: pass the prompt and answer ids")
     attached = fixed_nodes(trees)
+    attached[0] = {(): trees.num_prompt_tokens}  # the tree after a chain's win: the root and its prompt tokens
     emitted, steps, key = 1, 0, trees.num_prompt_tokens
     while emitted < answer_length:
         nodes = chosen_tree(trees, key, log_probs[emitted - 1]) if trees.confident else attached[key]
         match = paths[emitted - 1]
         depth = accepted_depth(nodes, match)
         key = nodes[match[:depth]]
+        if trees.lookup:
+            prompt, answer = text
+            chain = lookup_chain([*prompt, *answer[:emitted]], trees.lookup)
+            matched = next((i for i, token in enumerate(chain)
+                            if emitted + i >= len(answer) or token != answer[emitted + i]), len(chain))
+            if matched > depth:  # (on a tie the tree's path is kept: it comes first among the step's paths)
+                depth, key = matched, 0
         emitted += depth + 1
         steps += 1
     return answer_length, steps
+
+
+def lookup_chain(text: Sequence[int], nodes: int) -> list[int]:
+    """The chain ``ppd.decoding.lookup.propose`` finds for a row whose text is ``text``, in plain Python: the (at most
+    ``nodes``) tokens after the latest earlier occurrence of its last 3, else 2, else 1 tokens."""
+    for n in range(MAX_NGRAM, 0, -1):
+        ending = list(text[-n:])
+        for start in range(len(text) - n - 1, -1, -1):
+            if list(text[start: start + n]) == ending:
+                return list(text[start + n: start + n + nodes])
+    return []
 
 
 def fixed_nodes(trees: TreeSet) -> dict[int, dict[RankPath, int]]:

@@ -131,7 +131,8 @@ class TreeSet:
                     raise ValueError(f"tree {key}: attached prompt tokens must be in 1..{n}, got {count}")
 
     def max_rows(self, num_ensemble: int) -> int:
-        return max(tree.num_rows(num_ensemble) for tree in self.trees.values())
+        """Rows of the set's largest step: its largest tree's, and its lookup chain's."""
+        return max(tree.num_rows(num_ensemble) for tree in self.trees.values()) + self.lookup
 
     @property
     def confident(self) -> bool:

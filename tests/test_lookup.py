@@ -15,6 +15,7 @@ from ppd.chat import chat_input_ids
 from ppd.adapter import AdapterFiles
 from ppd.decoding import lookup
 from ppd.decoding.tables import TreeTables
+from ppd.replay import lookup_chain
 from ppd.serving import BatcherConfig, ContinuousBatcher
 from ppd.tree import CandidateChoice
 from tests.conftest import random_prompt_tokens, random_tree_set, tiny_model
@@ -23,16 +24,8 @@ from tests.test_engine import _compiled_variants
 from tests.test_lossless_sampling import SAMPLES, VOCAB, check, exact_joint, sample_counts
 
 
-def plain_lookup(text: list[int], nodes: int) -> list[int]:
-    """The tokens after the latest earlier occurrence of the last 3, else 2, else 1 tokens of ``text``."""
-    for n in (3, 2, 1):
-        for start in range(len(text) - n - 1, -1, -1):
-            if text[start:start + n] == text[-n:]:
-                return text[start + n:start + n + nodes]
-    return []
-
-
 def test_the_device_lookup_finds_what_a_plain_search_finds():
+    """``propose`` (fixed shapes, on the device) against the plain search that replay uses."""
     rng = random.Random(0)
     width, nodes = 64, 5
     texts = [[rng.randrange(vocab) for _ in range(rng.randint(1, width - 1))]
@@ -44,7 +37,7 @@ def test_the_device_lookup_finds_what_a_plain_search_finds():
     tokens, valid = lookup.propose(history, lengths, nodes)
     found = 0
     for b, text in enumerate(texts):
-        want = plain_lookup(text, nodes)
+        want = lookup_chain(text, nodes)
         assert valid[b].tolist() == [i < len(want) for i in range(nodes)], text
         assert tokens[b, : len(want)].tolist() == want, text
         found += bool(want)
@@ -212,3 +205,24 @@ def test_captured_step_with_lookup_equals_the_eager_step_on_the_gpu(mode, monkey
             assert outs[mode] == outs["eager"]
     greedy = decoder.generate(prompts, DecodeConfig(max_new_tokens=40, stop_on_eos=False, capture=mode))
     assert [o.token_ids for o in greedy] == [hf_greedy(model, p, 40) for p in prompts]
+
+
+def test_replay_gives_the_decoders_steps_with_a_lookup_chain():
+    from ppd.replay import guess_ranks, match_paths, replay
+    from ppd.training import PromptTokenModel
+
+    model = tiny_model(seed=37)
+    tokens = random_prompt_tokens(model, 3, 1, seed=37)
+    scorer = PromptTokenModel(model, tokens)
+    prompts = _repeating_prompts(37, 6)
+    for seed, L in ((37, 4), (38, 8)):
+        trees = random_tree_set(seed=seed, size=8).with_lookup(L)
+        decoder = Decoder(model, tokens, trees, eos_token_ids=[5])
+        outputs = decoder.generate(prompts, DecodeConfig(max_new_tokens=40))
+        sequences = [p + o.token_ids for p, o in zip(prompts, outputs)]
+        ranks = guess_ranks(scorer, sequences, [len(p) for p in prompts], trees.top_k)
+        paths = [match_paths(g, s, len(p)) for g, s, p in zip(ranks, sequences, prompts)]
+        assert [replay(trees, m, len(o.token_ids), text=(p, o.token_ids)) for m, p, o in zip(paths, prompts, outputs)] \
+            == [(o.new_tokens, o.steps) for o in outputs]
+    with pytest.raises(ValueError, match="pass the prompt and answer ids"):
+        replay(trees, paths[0], len(outputs[0].token_ids))

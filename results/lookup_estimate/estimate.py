@@ -11,7 +11,9 @@ what the chain's nodes carry:
 - ``fed``: every chain node carries the N prompt tokens, so the next step has guesses as after a tree node.
   ``L x (1 + N)`` rows more a step.
 
-Not built in the decoder: this only says whether building it would pay. Writes a JSON record and prints a table.
+Written (twenty-third session) to say whether building it would pay; the decoder has had ``bare`` chains since the
+twenty-fourth (``TreeSet.lookup``, ``ppd.decoding.lookup``), and ``ppd.replay.replay`` counts their steps (the
+lookup here is its ``lookup_chain``). Writes a JSON record and prints a table.
 
     python results/lookup_estimate/estimate.py --answers results/eval/h200_captured/answers/mt_bench-baseline-float32-0000.jsonl \\
         --trees results/train/v7/runs/maps16-lr3e-3-e3/trees/tree_{16,32}.json --chains 4 8 \\
@@ -29,25 +31,9 @@ from tqdm.auto import tqdm
 from eval.records import environment
 from eval.replay import answers_of_records, read_records
 from ppd.cli import add_adapter_args, add_model_args, load_decoder_or_exit
-from ppd.replay import accepted_depth, fixed_nodes, guess_top, match_paths, replay
+from ppd.replay import accepted_depth, fixed_nodes, guess_top, lookup_chain, match_paths, replay
 from ppd.training import PromptTokenModel
 from ppd.tree import TreeSet
-
-NGRAMS = (3, 2, 1)
-
-
-def lookup(history: list[int], length: int) -> list[int]:
-    """The ``length`` tokens that followed the most recent earlier occurrence of the last 3 (else 2, else 1)
-    tokens of ``history``; empty where none occurs."""
-    for n in NGRAMS:
-        if len(history) <= n:
-            continue
-        tail = history[-n:]
-        for start in range(len(history) - n - 1, -1, -1):
-            if history[start:start + n] == tail:
-                return history[start + n:start + n + length]
-    return []
-
 
 def matched(chain: list[int], answer: list[int], at: int) -> int:
     """How many leading tokens of ``chain`` equal ``answer[at:]``."""
@@ -70,7 +56,7 @@ def hybrid_steps(trees: TreeSet, paths, prompt: list[int], answer: list[int], ch
             nodes, match = attached[key], paths[emitted - 1]
             tree_depth = accepted_depth(nodes, match)
             next_key = nodes[match[:tree_depth]]
-        chain_depth = matched(lookup(prompt + answer[:emitted], chain), answer, emitted) if chain else 0
+        chain_depth = matched(lookup_chain(prompt + answer[:emitted], chain), answer, emitted) if chain else 0
         if chain_depth > tree_depth:
             depth, next_key = chain_depth, (n if fed else 0)
         else:
@@ -87,7 +73,7 @@ def lookup_steps(prompt: list[int], answer: list[int], chain: int) -> int:
     """Steps of prompt lookup alone: a chain of ``chain`` tokens a step, no tree."""
     emitted, steps = 1, 0
     while emitted < len(answer):
-        emitted += matched(lookup(prompt + answer[:emitted], chain), answer, emitted) + 1
+        emitted += matched(lookup_chain(prompt + answer[:emitted], chain), answer, emitted) + 1
         steps += 1
     return steps
 
