@@ -83,14 +83,18 @@ class DecodeState:
                    "limit_reason", "eos", "report", "seed", "temperature", "top_k", "top_p", "typical",
                    "posterior_threshold", "posterior_alpha", "greedy")
 
+    def row_names(self) -> tuple[str, ...]:
+        """Every per-row buffer of this state: :data:`ROW_BUFFERS`, and the history where it is kept."""
+        return self.ROW_BUFFERS + (() if self.history is None else ("history",))
+
     def row_tensors(self) -> list[torch.Tensor]:
-        return [getattr(self, name) for name in self.ROW_BUFFERS] + ([] if self.history is None else [self.history])
+        return [getattr(self, name) for name in self.row_names()]
 
     def rows(self, start: int, stop: int) -> "DecodeState":
         """A state of rows ``[start, stop)`` that shares this one's buffers (writes go through)."""
         view = object.__new__(DecodeState)
         view.__dict__.update(self.__dict__)
-        for name in self.ROW_BUFFERS + (() if self.history is None else ("history",)):
+        for name in self.row_names():
             setattr(view, name, getattr(self, name)[start:stop])
         view.batch_size = stop - start
         view.kv = self.kv.rows(start, stop)
