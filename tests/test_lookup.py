@@ -226,3 +226,19 @@ def test_replay_gives_the_decoders_steps_with_a_lookup_chain():
             == [(o.new_tokens, o.steps) for o in outputs]
     with pytest.raises(ValueError, match="pass the prompt and answer ids"):
         replay(trees, paths[0], len(outputs[0].token_ids))
+
+
+def test_the_generate_command_takes_a_lookup_chain_and_refuses_one_beside_confident_trees():
+    import json
+
+    from tests.test_generate_cli import run
+
+    records = {}
+    for method, extra in (("ppd", ["--lookup", "8"]), ("baseline", [])):
+        proc = run("--model", "smollm2-135m-instruct", "--prompt", "Repeat after me three times: red, green, blue.",
+                   "--max_new_tokens", "40", "--method", method, "--capture", "eager", "--json", *extra)
+        assert proc.returncode == 0, proc.stderr
+        records[method] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert records["ppd"]["token_ids"] == records["baseline"]["token_ids"]
+    proc = run("--model", "smollm2-135m-instruct", "--prompt", "Hi", "--lookup", "8", "--tree_choice", "confident")
+    assert proc.returncode == 2 and "beside fixed trees only" in proc.stderr, proc.stderr

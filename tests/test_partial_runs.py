@@ -233,3 +233,24 @@ def test_a_pick_rates_trees_by_replayed_accept_lengths_with_their_choice(tmp_pat
     replay.write_text(json.dumps({**record, "adapter": "some/other-tokens"}))
     assert pick_tree.main(argv) == 2
     assert "measured the prompt tokens of 'some/other-tokens'" in capsys.readouterr().err
+
+
+def test_a_pick_rates_trees_with_a_lookup_chain_only_by_replayed_accept_lengths(tmp_path, capsys):
+    """``--lookup`` applies to the ``--trees`` files; a chained set is rated by the replay record's row of its chain
+    (``eval.replay --lookup``), and refused without a record: no accuracy table rates a chain."""
+    from eval import pick_tree
+
+    tree = "results/train/v7/runs/maps16-lr3e-3-e3/trees/tree_8.json"
+    record = {"adapter": "shipped:smollm2-135m-instruct", "trees": [
+        {"tree": tree, "choice": "fixed", "lookup": 0, "accept_length": 1.25},
+        {"tree": tree, "choice": "fixed", "lookup": 8, "accept_length": 9.0}]}
+    replay = tmp_path / "replay.json"
+    replay.write_text(json.dumps(record))
+    argv = ["--trees", tree, "--batch_sizes", "1", "--steps", "2", "--context", "40", *CPU, "--lookup", "8"]
+    assert pick_tree.main(argv + ["--accept_lengths", str(replay), "--output", str(tmp_path / "pick.json")]) == 0
+    picked = json.loads((tmp_path / "pick.json").read_text())
+    assert picked["rows"][1]["tree"] == f"{tree} (lookup 8)" and picked["rows"][1]["expected_tokens"] == 9.0
+    assert picked["policy"]["buckets"][0]["trees"]["lookup"] == 8
+    capsys.readouterr()
+    assert pick_tree.main(argv) == 2
+    assert "verify a lookup chain, which no accuracy table rates" in capsys.readouterr().err
