@@ -192,8 +192,7 @@ def replay(trees: TreeSet, paths: Sequence[RankPath], answer_length: int,
         if trees.lookup:
             prompt, answer = text
             chain = lookup_chain([*prompt, *answer[:emitted]], trees.lookup)
-            matched = next((i for i, token in enumerate(chain)
-                            if emitted + i >= len(answer) or token != answer[emitted + i]), len(chain))
+            matched = chain_matched(chain, answer, emitted)
             if matched > depth:  # (on a tie the tree's path is kept: it comes first among the step's paths)
                 depth, key = matched, 0
         emitted += depth + 1
@@ -210,6 +209,14 @@ def lookup_chain(text: Sequence[int], nodes: int) -> list[int]:
             if list(text[start: start + n]) == ending:
                 return list(text[start + n: start + n + nodes])
     return []
+
+
+def chain_matched(chain: Sequence[int], answer: Sequence[int], at: int) -> int:
+    """How many leading tokens of ``chain`` equal ``answer[at:]`` (what greedy verification accepts of it)."""
+    depth = 0
+    while depth < len(chain) and at + depth < len(answer) and chain[depth] == answer[at + depth]:
+        depth += 1
+    return depth
 
 
 def fixed_nodes(trees: TreeSet) -> dict[int, dict[RankPath, int]]:

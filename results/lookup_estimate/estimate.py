@@ -31,16 +31,9 @@ from tqdm.auto import tqdm
 from eval.records import environment
 from eval.replay import answers_of_records, read_records
 from ppd.cli import add_adapter_args, add_model_args, load_decoder_or_exit
-from ppd.replay import accepted_depth, fixed_nodes, guess_top, lookup_chain, match_paths, replay
+from ppd.replay import accepted_depth, chain_matched, fixed_nodes, guess_top, lookup_chain, match_paths, replay
 from ppd.training import PromptTokenModel
 from ppd.tree import TreeSet
-
-def matched(chain: list[int], answer: list[int], at: int) -> int:
-    """How many leading tokens of ``chain`` equal ``answer[at:]``."""
-    depth = 0
-    while depth < len(chain) and at + depth < len(answer) and chain[depth] == answer[at + depth]:
-        depth += 1
-    return depth
 
 
 def hybrid_steps(trees: TreeSet, paths, prompt: list[int], answer: list[int], chain: int, fed: bool) -> int:
@@ -56,7 +49,7 @@ def hybrid_steps(trees: TreeSet, paths, prompt: list[int], answer: list[int], ch
             nodes, match = attached[key], paths[emitted - 1]
             tree_depth = accepted_depth(nodes, match)
             next_key = nodes[match[:tree_depth]]
-        chain_depth = matched(lookup_chain(prompt + answer[:emitted], chain), answer, emitted) if chain else 0
+        chain_depth = chain_matched(lookup_chain(prompt + answer[:emitted], chain), answer, emitted) if chain else 0
         if chain_depth > tree_depth:
             depth, next_key = chain_depth, (n if fed else 0)
         else:
@@ -73,7 +66,7 @@ def lookup_steps(prompt: list[int], answer: list[int], chain: int) -> int:
     """Steps of prompt lookup alone: a chain of ``chain`` tokens a step, no tree."""
     emitted, steps = 1, 0
     while emitted < len(answer):
-        emitted += matched(lookup_chain(prompt + answer[:emitted], chain), answer, emitted) + 1
+        emitted += chain_matched(lookup_chain(prompt + answer[:emitted], chain), answer, emitted) + 1
         steps += 1
     return steps
 
