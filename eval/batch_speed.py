@@ -20,6 +20,15 @@ machine's drift falls on all variants alike. Each row also splits the wall time:
 batch's prefill is read back) and the rest per forward pass (each batch's longest row's passes, host loop
 included). Greedy outputs of every variant are compared with the baseline's. Writes JSON, a table and a plot
 of the speed-up by batch size.
+
+``--batching continuous`` measures what a server sustains instead: the serving engine's batcher
+(``ppd.serving.ContinuousBatcher``, as ``application.serve`` runs it) with B rows is handed max(P, 4B) prompts
+at once, and each row that finishes takes the next waiting prompt (its prefill between two steps), so the
+batch stays full but for the last prompts' drain, and no row waits for a batch's slowest. Throughput is every
+prompt's new tokens over the wall time from the first submission to the last answer; each variant warms its
+batcher up (every bucket up to B) and decodes one untimed round of B short answers first, then all prompts,
+one variant after another. ``ms_per_pass`` is then the wall time over the batch's steps (admissions' prefills
+included), and ``mean_rows`` the running rows a step averaged.
 Each batch size's rows are written to ``--output`` as soon as they are measured: a run cut off (a time limit,
 a machine taken back) keeps them, and the same command run again measures only the batch sizes missing; a
 cut-off file of other settings is refused (one line, exit status 2).
@@ -36,6 +45,7 @@ import torch
 
 from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_decoder_or_exit, tree_files
 from ppd.config import DecodeConfig
+from ppd.serving import BatcherConfig, ContinuousBatcher
 
 from .benchmarks import load_benchmark
 from .gen_answers import prompt_ids, turn_messages
@@ -53,6 +63,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompts", type=int, default=32,
                         help="prompts each batch size decodes, at least (in batches of the batch size)")
     parser.add_argument("--trees", nargs="*", default=[], help="fixed tree sets to compare with the policy")
+    parser.add_argument("--batching", choices=["static", "continuous"], default="static",
+                        help="static batches one after another (default), or the serving engine's continuous "
+                             "batcher kept full of waiting prompts")
     parser.add_argument("--output", default=None, help="JSON file")
     parser.add_argument("--plot", default=None, help="PNG of the speed-up by batch size")
     return parser
@@ -64,9 +77,14 @@ def prompts_for(tokenizer, bench: str, count: int) -> list[list[int]]:
             for i in range(count)]
 
 
-def prompt_count(prompts: int, batch: int) -> int:
-    """Prompts batch size ``batch`` decodes: at least ``prompts`` and ``batch``, in whole batches."""
-    return -(-max(prompts, batch) // batch) * batch
+QUEUED_ROUNDS = 4  # continuous batching: prompts handed to a batcher of B rows, at least, in multiples of B
+
+
+def prompt_count(prompts: int, batch: int, continuous: bool = False) -> int:
+    """Prompts batch size ``batch`` decodes: at least ``prompts`` and ``batch`` (``QUEUED_ROUNDS`` batches'
+    worth, ``continuous``), in whole batches."""
+    least = max(prompts, QUEUED_ROUNDS * batch if continuous else batch)
+    return -(-least // batch) * batch
 
 
 def variant_name(tree_file: str) -> str:
@@ -87,57 +105,23 @@ def run(args: argparse.Namespace) -> tuple[dict, PartialRun]:
         variants[variant_name(name)] = (decoder.with_trees(trees), "ppd")
     header = {"model": loaded.info.model_id, "adapter": loaded.adapter, "tree": loaded.tree, "bench": args.bench,
               "max_new_tokens": args.max_new_tokens, "capture": args.capture,
-              "dtype": str(decoder.dtype).removeprefix("torch."), **environment(device)}
-    prompts = prompts_for(loaded.tokenizer, args.bench, max(prompt_count(args.prompts, b) for b in args.batch_sizes))
+              "batching": args.batching, "dtype": str(decoder.dtype).removeprefix("torch."), **environment(device)}
+    continuous = args.batching == "continuous"
+    prompts = prompts_for(loaded.tokenizer, args.bench,
+                          max(prompt_count(args.prompts, b, continuous) for b in args.batch_sizes))
     for batch in args.batch_sizes:
         if len(partial.measured(batch_size=batch)) == len(variants):
             print(f"batch {batch:4d} | measured already in {args.output}", file=sys.stderr)
             continue
-        count = prompt_count(args.prompts, batch)
-        batches = [prompts[i: i + batch] for i in range(0, count, batch)]
-        # Every variant compiles and captures first. The timed batches then take turns: each batch of prompts
-        # is decoded by every variant before the next, so that the machine's drift, and whatever follows a
-        # compilation, fall on all variants alike.
-        warmups = {}
-        for name, (dec, method) in variants.items():
-            before = len(dec.captures)
-            seconds = dec.warmup(batch_sizes=[batch], methods=[method], capture=args.capture)
-            # Where the warm-up went: each graph captured (the first of a step kind compiles it).
-            warmups[name] = (seconds, [{"tree": c.kind.tree, "batch_size": c.batch_size, "width": c.width,
-                                        "seconds": c.seconds} for c in dec.captures[before:]])
-            dec.generate(batches[0], DecodeConfig(method=method, max_new_tokens=8, capture=args.capture))
-        configs = {name: DecodeConfig(method=method, max_new_tokens=args.max_new_tokens, capture=args.capture)
-                   for name, (_, method) in variants.items()}
-        outs = {name: [] for name in variants}
-        walls = dict.fromkeys(variants, 0.0)
-        prefills = dict.fromkeys(variants, 0.0)  # each batch's time to its prefill's read-back
-        passes = dict.fromkeys(variants, 0)  # forward passes after the prefill: each batch's longest row's
-        for inputs in batches:
-            for name, (dec, _) in variants.items():
-                start = time.perf_counter()
-                out = dec.generate(inputs, configs[name])
-                walls[name] += time.perf_counter() - start
-                outs[name] += out
-                prefills[name] += out[0].prefill_time_s
-                passes[name] += max(o.steps for o in out)
-        outputs, rows = {}, []
-        for name, (dec, method) in variants.items():
-            warmup, captures = warmups[name]
-            wall = walls[name]
-            tokens = sum(o.new_tokens for o in outs[name])
-            steps = sum(o.steps for o in outs[name])
-            tables = dec.tables_for_batch(batch, args.capture) if method == "ppd" else None
-            outputs[name] = [o.token_ids for o in outs[name]]
-            rows.append({"batch_size": batch, "variant": name, "tree_rows": tables.num_rows if tables else 1,
-                         "prompts": count, "new_tokens": tokens, "wall_time_s": wall, "tokens_per_s": tokens / wall,
-                         "accept_length": tokens / steps if steps else None, "warmup_s": warmup, "captures": captures,
-                         "prefill_s": prefills[name],
-                         "ms_per_pass": 1e3 * (wall - prefills[name]) / max(passes[name], 1),
-                         "max_steps": max(o.steps for o in outs[name])})
-            print(f"batch {batch:4d} | {name} | {tokens / wall:9.1f} tokens/s | accept length "
-                  f"{tokens / max(steps, 1):.2f} | {rows[-1]['ms_per_pass']:.2f} ms a pass, prefills "
-                  f"{prefills[name]:.2f} s | warm-up {warmup:.0f} s ({len(captures)} graphs, the slowest "
-                  f"{max((c['seconds'] for c in captures), default=0):.0f} s)", file=sys.stderr)
+        count = prompt_count(args.prompts, batch, continuous)
+        measure = continuous_rows if continuous else static_rows
+        outputs, rows = measure(variants, prompts[:count], batch, args)
+        for row in rows:
+            print(f"batch {batch:4d} | {row['variant']} | {row['tokens_per_s']:9.1f} tokens/s | accept length "
+                  f"{row['accept_length'] or 0:.2f} | {row['ms_per_pass']:.2f} ms a pass, "
+                  + (f"{row['mean_rows']:.1f} rows a step" if continuous else f"prefills {row['prefill_s']:.2f} s")
+                  + f" | warm-up {row['warmup_s']:.0f} s ({len(row['captures'])} graphs, the slowest "
+                  f"{max((c['seconds'] for c in row['captures']), default=0):.0f} s)", file=sys.stderr)
         baseline = next(r["tokens_per_s"] for r in rows if r["variant"] == "baseline")
         for row in rows:
             row["identical_to_baseline"] = sum(a == b for a, b in zip(outputs[row["variant"]], outputs["baseline"])
@@ -146,6 +130,85 @@ def run(args: argparse.Namespace) -> tuple[dict, PartialRun]:
         partial.add(rows, header)
     rows = [r for batch in args.batch_sizes for r in partial.measured(batch_size=batch)]
     return {**header, "rows": rows}, partial
+
+
+def captured_since(decoder, before: int) -> list[dict]:
+    """The graphs ``decoder`` captured after its first ``before`` (the first of a step kind compiles it)."""
+    return [{"tree": c.kind.tree, "batch_size": c.batch_size, "width": c.width, "seconds": c.seconds}
+            for c in decoder.captures[before:]]
+
+
+def result_row(batch: int, name: str, decoder, method: str, count: int, outs: list, wall: float,
+               args: argparse.Namespace, **timing) -> dict:
+    tokens = sum(o.new_tokens for o in outs)
+    steps = sum(o.steps for o in outs)
+    tables = decoder.tables_for_batch(batch, args.capture) if method == "ppd" else None
+    return {"batch_size": batch, "variant": name, "batching": args.batching,
+            "tree_rows": tables.num_rows if tables else 1, "prompts": count, "new_tokens": tokens,
+            "wall_time_s": wall, "tokens_per_s": tokens / wall, "accept_length": tokens / steps if steps else None,
+            **timing}
+
+
+def static_rows(variants: dict, prompts: list[list[int]], batch: int,
+                args: argparse.Namespace) -> tuple[dict, list[dict]]:
+    """Each variant's greedy outputs and row, decoding ``prompts`` as static batches of ``batch``."""
+    batches = [prompts[i: i + batch] for i in range(0, len(prompts), batch)]
+    # Every variant compiles and captures first. The timed batches then take turns: each batch of prompts
+    # is decoded by every variant before the next, so that the machine's drift, and whatever follows a
+    # compilation, fall on all variants alike.
+    warmups = {}
+    for name, (dec, method) in variants.items():
+        before = len(dec.captures)
+        seconds = dec.warmup(batch_sizes=[batch], methods=[method], capture=args.capture)
+        warmups[name] = (seconds, captured_since(dec, before))
+        dec.generate(batches[0], DecodeConfig(method=method, max_new_tokens=8, capture=args.capture))
+    configs = {name: DecodeConfig(method=method, max_new_tokens=args.max_new_tokens, capture=args.capture)
+               for name, (_, method) in variants.items()}
+    outs = {name: [] for name in variants}
+    walls = dict.fromkeys(variants, 0.0)
+    prefills = dict.fromkeys(variants, 0.0)  # each batch's time to its prefill's read-back
+    passes = dict.fromkeys(variants, 0)  # forward passes after the prefill: each batch's longest row's
+    for inputs in batches:
+        for name, (dec, _) in variants.items():
+            start = time.perf_counter()
+            out = dec.generate(inputs, configs[name])
+            walls[name] += time.perf_counter() - start
+            outs[name] += out
+            prefills[name] += out[0].prefill_time_s
+            passes[name] += max(o.steps for o in out)
+    rows = [result_row(batch, name, dec, method, len(prompts), outs[name], walls[name], args,
+                       warmup_s=warmups[name][0], captures=warmups[name][1], prefill_s=prefills[name],
+                       ms_per_pass=1e3 * (walls[name] - prefills[name]) / max(passes[name], 1),
+                       max_steps=max(o.steps for o in outs[name]))
+            for name, (dec, method) in variants.items()]
+    return {name: [o.token_ids for o in outs[name]] for name in variants}, rows
+
+
+def continuous_rows(variants: dict, prompts: list[list[int]], batch: int,
+                    args: argparse.Namespace) -> tuple[dict, list[dict]]:
+    """Each variant's greedy outputs and row, decoding ``prompts`` through a continuous batcher of ``batch``
+    rows (see the module docstring)."""
+    outputs, rows = {}, []
+    for name, (dec, method) in variants.items():
+        config = DecodeConfig(method=method, max_new_tokens=args.max_new_tokens, capture=args.capture)
+        batcher = ContinuousBatcher(dec, BatcherConfig(max_batch=batch, max_queue=len(prompts),
+                                                       capture=args.capture))
+        before = len(dec.captures)
+        warmup = batcher.warmup(methods=(method,))
+        with batcher:
+            short = DecodeConfig(method=method, max_new_tokens=8, capture=args.capture)
+            for stream in [batcher.submit(ids, short) for ids in prompts[:batch]]:
+                stream.result()
+            steps_before = batcher.batch_steps
+            start = time.perf_counter()
+            outs = [stream.result() for stream in [batcher.submit(ids, config) for ids in prompts]]
+            wall = time.perf_counter() - start
+            steps = batcher.batch_steps - steps_before
+        outputs[name] = [o.token_ids for o in outs]
+        rows.append(result_row(batch, name, dec, method, len(prompts), outs, wall, args, warmup_s=warmup,
+                               captures=captured_since(dec, before), ms_per_pass=1e3 * wall / max(steps, 1),
+                               mean_rows=sum(o.steps for o in outs) / max(steps, 1)))
+    return outputs, rows
 
 
 def table(result: dict) -> str:
@@ -197,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"batch_speed: error: {error}", file=sys.stderr)
         return 2
     print(f"{result['model']} ({result['adapter']}, {result['tree']}) on {result['device']}, {result['dtype']}, "
-          f"{result['bench']}, max_new_tokens={result['max_new_tokens']}")
+          f"{result['bench']}, max_new_tokens={result['max_new_tokens']}, {result['batching']} batching")
     print(table(result))
     partial.finish({**result, "command": " ".join(["python -m eval.batch_speed", *(argv or sys.argv[1:])])})
     if args.plot:

@@ -254,3 +254,29 @@ def test_a_pick_rates_trees_with_a_lookup_chain_only_by_replayed_accept_lengths(
     capsys.readouterr()
     assert pick_tree.main(argv) == 2
     assert "verify a lookup chain, which no accuracy table rates" in capsys.readouterr().err
+
+
+def test_continuous_batch_speed_keeps_the_batcher_full_and_decodes_what_static_batches_do(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """``--batching continuous``: each variant's batcher of B rows is handed 4B prompts; every answer equals the
+    baseline's (greedy), the steps ran B rows but for the drain, and the record says how it was measured."""
+    output = tmp_path / "continuous.json"
+    argv = ["--batch_sizes", "2", "--prompts", "3", "--max_new_tokens", "6", "--bench", "gsm8k", *CPU,
+            "--output", str(output)]
+    assert batch_speed.main([*argv, "--batching", "continuous"]) == 0
+    done = json.loads(output.read_text())
+    assert done["batching"] == "continuous" and done["settings"]["batching"] == "continuous"
+    assert [r["variant"] for r in done["rows"]] == ["baseline", "ppd"]
+    for row in done["rows"]:
+        assert row["prompts"] == 8 and row["new_tokens"] == 6 * 8 and row["identical_to_baseline"] == 1.0
+        assert 1.5 < row["mean_rows"] <= 2 and row["ms_per_pass"] > 0 and row["batching"] == "continuous"
+    ppd = done["rows"][1]
+    assert ppd["accept_length"] > 1 and ppd["tree_rows"] > 1
+    # A static run cut off is not finished as a continuous one.
+    cut_off_after(monkeypatch, 1)
+    with pytest.raises(CutOff):
+        batch_speed.main([*argv[:1], "1", *argv[1:]])
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert batch_speed.main([*argv[:1], "1", *argv[1:], "--batching", "continuous"]) == 2
+    assert "cut off with batching 'static', but this run asks for 'continuous'" in capsys.readouterr().err

@@ -80,6 +80,7 @@ class ContinuousBatcher:
         self._closed = False
         self._admitting = 0  # requests taken from the queue whose prefill has not reported yet
         self.steps_run = 0  # forward passes of every lane so far, prefills included
+        self.batch_steps = 0  # of them, the steps over a lane's running rows (its admissions' prefills not)
         self.error: BaseException | None = None
 
     # ------------------------------------------------------------------ life cycle
@@ -357,6 +358,7 @@ class _Lane:
                           max(row.length for row in self.rows), n, StepKind.of(False, [row.config for row in self.rows]),
                           batcher._exact, batcher._whole)
         batcher.steps_run += 1
+        batcher.batch_steps += 1
         for row, line in zip(self.rows, report):
             self._deliver(row, line, counts_as_step=True)
         self._remove_finished()
