@@ -102,6 +102,38 @@ def test_streamed_chunks_rebuild_the_answer_and_a_cancelled_request_frees_its_ro
         assert batcher.running == 0
 
 
+def test_a_batcher_that_runs_ahead_decodes_what_requests_decode_alone(decoder, monkeypatch):
+    """Run ahead (the GPU's default; forced here on the CPU): each step is queued before the last one's report is
+    read, while rows finish, are cancelled, move into freed rows and new requests join; greedy and seeded sampled
+    requests, PPD and the baseline, still decode exactly what they decode alone."""
+    from ppd.serving import batcher as batching
+
+    monkeypatch.setenv("PPD_RUN_AHEAD", "1")
+    depths = []
+    read_step = batching._Lane._read_step
+
+    def recorded(lane):
+        depths.append(len(lane.queued))
+        read_step(lane)
+
+    monkeypatch.setattr(batching._Lane, "_read_step", recorded)
+    reqs = requests(4, 14)
+    configs = [DecodeConfig(method="baseline" if i % 5 == 2 else "ppd", max_new_tokens=n, seed=i,
+                            temperature=0.8 if i % 3 == 0 else 0.0) for i, (_, n) in enumerate(reqs)]
+    with ContinuousBatcher(decoder, BatcherConfig(max_batch=4)) as batcher:
+        doomed = batcher.submit(reqs[0][0], DecodeConfig(max_new_tokens=200, stop_on_eos=False))
+        streams = [batcher.submit(ids, config) for (ids, _), config in zip(reqs, configs)]
+        next(iter(doomed))
+        doomed.cancel()
+        results = [s.result(timeout=120) for s in streams]
+        assert doomed.result(timeout=120).finish_reason == "cancelled"
+        assert batcher.running == 0 and batcher.waiting == 0
+    for (ids, _), config, result in zip(reqs, configs, results):
+        alone = decoder.generate(ids, config)
+        assert (result.token_ids, result.finish_reason) == (alone.token_ids, alone.finish_reason)
+    assert max(depths) == 2  # a step was queued while the one before it had not been read
+
+
 def test_a_compiled_step_over_the_first_rows_of_the_batch_reads_only_their_cache(monkeypatch):
     """A continuous batch steps the first rows of a state of ``max_batch`` rows. The compiled step gets the
     cache slices of those rows as its inputs: had it taken them from the whole state's buffers itself, Inductor

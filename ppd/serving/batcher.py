@@ -8,7 +8,10 @@ of the state's first rows, so graphs captured for a bucket stay valid). Between 
    running rows stay packed at the front and the bucket shrinks as the batch does;
 2. admits waiting requests into free rows, each with its own prefill into its row of the cache;
 3. runs one step for the bucket: the PPD tree step with the tree the decoder's batch policy names for
-   that bucket, or the one-row step where the policy says speculation does not pay.
+   that bucket, or the one-row step where the policy says speculation does not pay. On a GPU the thread
+   runs one step ahead, as ``decoding.loop.decode`` does: it queues the next step before it reads the last
+   one's report, so rows learnt finished from a report leave one step late (the step between changes nothing
+   they report) and a joining request waits until the queued step's report is read.
 
 Greedy requests decode exactly the tokens they would decode alone: rows never see each other (each row
 attends only to its own cache), and which tree verifies a row changes only how many tokens a step emits,
@@ -30,10 +33,11 @@ import torch
 
 from ..config import CaptureMode, DecodeConfig, DecodeMethod
 from ..decoding.graphs import captures_graphs, compiles_prefill, resolve_mode
-from ..decoding.loop import batch_bucket, prefill, reset_rows, run_step, steps_to_prepare, whole_width
+from ..decoding.loop import batch_bucket, prefill, queue_step, reset_rows, runs_ahead, steps_to_prepare, whole_width
 from ..decoding.prefill_graphs import warm_prompt_lengths
 from ..decoding.state import REASONS, REPORT_HEAD, RUNNING, DecodeState
 from ..decoding.step import StepKind
+from ..downloads import Download
 from .stream import EngineClosedError, QueueFullError, Stream
 
 if TYPE_CHECKING:
@@ -260,6 +264,8 @@ class _Lane:
     batcher: ContinuousBatcher
     method: DecodeMethod
     rows: list[_Row] = field(default_factory=list)
+    # Steps queued whose reports are not read yet, each with the rows it ran (in their order then).
+    queued: collections.deque = field(default_factory=collections.deque)
 
     def __post_init__(self) -> None:
         decoder = self.batcher.decoder
@@ -322,6 +328,7 @@ class _Lane:
         """Prefill the joining requests into the rows after the running ones: together, or, with a staging row
         (prefills replayed from graphs), one by one, each row then copied into the batch."""
         decoder = self.batcher.decoder
+        self.drain()
         start = len(self.rows)
         with torch.no_grad():
             for pending in joining:
@@ -350,16 +357,38 @@ class _Lane:
         self._remove_finished()
 
     def step(self) -> None:
-        """One step of every running row over the smallest bucket that holds them."""
+        """One step of every running row over the smallest bucket that holds them. Where the decoder runs ahead
+        (``decoding.loop.runs_ahead``: on a GPU), the next step is queued before this one's report is read, as
+        :func:`~ppd.decoding.loop.decode` does, so the device never waits for the host's bookkeeping."""
         batcher = self.batcher
-        n = len(self.rows)
-        bucket = batcher._bucket(n)
-        report = run_step(batcher.decoder, batcher._runner, self.view(bucket), self.tables(bucket),
-                          max(row.length for row in self.rows), n, StepKind.of(False, [row.config for row in self.rows]),
-                          batcher._exact, batcher._whole)
-        batcher.steps_run += 1
-        batcher.batch_steps += 1
-        for row, line in zip(self.rows, report):
+        depth = 2 if runs_ahead(batcher.decoder.device) else 1
+        advance = self.state.report.shape[1] - REPORT_HEAD  # the most cache entries one step commits to a row
+        while len(self.queued) < depth:
+            n = len(self.rows)
+            bucket = batcher._bucket(n)
+            view = self.view(bucket)
+            # The lengths known are those before the queued steps, each of which may commit ``advance`` more.
+            longest = max(row.length for row in self.rows) + len(self.queued) * advance
+            queue_step(batcher.decoder, batcher._runner, view, self.tables(bucket), longest,
+                       StepKind.of(False, [row.config for row in self.rows]), batcher._exact, batcher._whole)
+            batcher.steps_run += 1
+            batcher.batch_steps += 1
+            # The rows as they stand when the step is queued: removals move rows before its report is read.
+            self.queued.append((Download(view.report[:n]), list(self.rows)))
+        self._read_step()
+        if not self.rows:  # a step queued after the last row stopped changed nothing a row reports
+            self.queued.clear()
+
+    def drain(self) -> None:
+        """Read the report of every queued step (before an admission prefills rows and reads its own)."""
+        while self.queued:
+            self._read_step()
+        if not self.rows:
+            self.queued.clear()
+
+    def _read_step(self) -> None:
+        download, rows = self.queued.popleft()
+        for row, line in zip(rows, download.wait().tolist()):
             self._deliver(row, line, counts_as_step=True)
         self._remove_finished()
 
@@ -390,7 +419,9 @@ class _Lane:
             last = len(self.rows) - 1
             if i != last:
                 moved = self.rows[last]
-                self.state.move_row(last, i, moved.length)
+                # Steps still queued run before the move and may each commit ``advance`` entries to the row.
+                advance = self.state.report.shape[1] - REPORT_HEAD
+                self.state.move_row(last, i, moved.length + len(self.queued) * advance)
                 self.rows[i] = moved
             self.state.vacate(last)
             self.rows.pop()
