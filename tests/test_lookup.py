@@ -228,6 +228,31 @@ def test_replay_gives_the_decoders_steps_with_a_lookup_chain():
         replay(trees, paths[0], len(outputs[0].token_ids))
 
 
+def test_prompt_lookup_alone_decodes_the_greedy_text_and_replays_its_steps():
+    """Trees of the root alone (its prompt rows, no guessed candidate) beside a chain: prompt lookup in the engine
+    (``results/lookup/trees/lookup_only_8.json`` for the default model). Greedy text as the model's, alone and in a
+    batch, fewer steps than tokens where the text repeats, and replay gives the decoder's steps."""
+    from ppd.replay import guess_ranks, match_paths, replay
+    from ppd.training import PromptTokenModel
+
+    model = tiny_model(seed=41)
+    tokens = random_prompt_tokens(model, 3, 1, seed=41)
+    trees = TreeSet(3, 4, {k: Tree((), (), 3) for k in (1, 2, 3)}, lookup=5)
+    decoder = Decoder(model, tokens, trees, max_seq_len=256)
+    assert decoder.tables.num_candidates == 5  # the chain's nodes alone
+    prompts = _repeating_prompts(41, 5)
+    config = DecodeConfig(max_new_tokens=40, stop_on_eos=False)
+    outputs = decoder.generate(prompts, config)
+    for prompt, out in zip(prompts, outputs):
+        assert out.token_ids == hf_greedy(model, prompt, 40) == decoder.generate(prompt, config).token_ids
+    assert sum(o.steps for o in outputs) < 0.8 * 40 * len(prompts)
+    sequences = [p + o.token_ids for p, o in zip(prompts, outputs)]
+    ranks = guess_ranks(PromptTokenModel(model, tokens), sequences, [len(p) for p in prompts], trees.top_k)
+    paths = [match_paths(g, q, len(p)) for g, q, p in zip(ranks, sequences, prompts)]
+    assert [replay(trees, m, len(o.token_ids), text=(p, o.token_ids)) for m, p, o in zip(paths, prompts, outputs)] \
+        == [(o.new_tokens, o.steps) for o in outputs]
+
+
 def test_the_generate_command_takes_a_lookup_chain_and_refuses_one_beside_confident_trees():
     import json
 
