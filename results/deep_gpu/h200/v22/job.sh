@@ -5,6 +5,7 @@
 # prompt rows and a chain of 8), to compare with h200/v21's figures taken before the run-ahead. (2) The HTTP server
 # under load, 16/4/1 clients (issue 14's 16-client target), with that policy. (3) The output head's product by row
 # count and layout (v21's batch-16 profile: 173 us over 400 rows). (4) Static batches with prompt lookup alone.
+# (5) A chain of 16 at batch 1.
 # Launched as .gpu/job/launch.sh does (pointed at this file); outputs in /root/res/v22.
 set -u
 cd /root/tree
@@ -29,6 +30,11 @@ LO=results/lookup/trees/lookup_only_8.json
   t static; timeout 600 python -m eval.batch_speed $E --batch_sizes 16 2 1 --bench mt_bench --max_new_tokens 256 \
     --max_seq_len 1024 --trees $LO --output $R/batch_speed_static.json > $R/logs/static.log 2>&1; echo "rc $?"
   grep -E "^batch|^\|" $R/logs/static.log | cut -c1-200
+  # A chain of 16 beside the 32-row tree (replay: 3.461 against 3.190 with 8), batch 1; the chain's length is a
+  # shape of the compiled step, so this compiles the batch-1 step once more.
+  t chain16; timeout 400 python -m eval.batch_speed $E --batch_sizes 1 --bench mt_bench --max_new_tokens 256 \
+    --max_seq_len 1024 --trees results/lookup/trees/tree_32_lookup16.json --output $R/batch_speed_chain16_b1.json \
+    > $R/logs/chain16.log 2>&1; echo "rc $?"; grep -E "^batch" $R/logs/chain16.log | cut -c1-200
   t end
 } > /root/res/job.log 2>&1
 echo "JOB DONE" >> /root/res/job.log
