@@ -248,3 +248,18 @@ def test_real_model_ppd_equals_baseline_on_a_prompt_of_3000_tokens(real_model, l
     base = decoder.generate(long_real_prompt, DecodeConfig(method="baseline", **config))
     assert ppd.token_ids == base.token_ids == hf_greedy(model, long_real_prompt, 32)
     assert ppd.steps < base.steps
+
+
+def test_real_model_with_a_lookup_chain_equals_greedy_on_a_prompt_of_3000_tokens(real_model, long_real_prompt):
+    """The chain at long context: each row's lookup reads a history of the whole 3,000-token conversation, and the
+    step attends through FlexAttention's block mask; the greedy text stays the baseline's."""
+    model, tokenizer, info = real_model
+    prompt_tokens = AdapterFiles.default_for(model, tokenizer, info).prompt_tokens
+    plain = Decoder(model, prompt_tokens, eos_token_ids=eos_ids_of(model, tokenizer), attention="flex")
+    chained = plain.with_trees(plain.trees.with_lookup(8))
+    config = dict(max_new_tokens=32, stop_on_eos=False)
+    ppd = chained.generate(long_real_prompt, DecodeConfig(method="ppd", **config))
+    assert chained.tables.lookup == 8 and chained.attention.value == "flex"
+    assert ppd.token_ids == plain.generate(long_real_prompt, DecodeConfig(method="baseline", **config)).token_ids
+    assert ppd.steps < 32
+
