@@ -18,8 +18,9 @@ warmed up untimed first, every variant (capture and compilation, and one short g
 timed; then each batch of prompts is decoded by every variant in turn before the next batch, so that a
 machine's drift falls on all variants alike. Each row also splits the wall time: the prefills' (until each
 batch's prefill is read back) and the rest per forward pass (each batch's longest row's passes, host loop
-included). Greedy outputs of every variant are compared with the baseline's. Writes JSON, a table and a plot
-of the speed-up by batch size.
+included), and how long its batches waited for their slowest rows: ``passes`` (the batches' longest rows' steps,
+summed) against ``mean_row_steps`` (a row's steps, averaged) times the number of batches. Greedy outputs of every
+variant are compared with the baseline's. Writes JSON, a table and a plot of the speed-up by batch size.
 
 ``--batching continuous`` measures what a server sustains instead: the serving engine's batcher
 (``ppd.serving.ContinuousBatcher``, as ``application.serve`` runs it) with B rows is handed max(P, 4B) prompts
@@ -179,7 +180,8 @@ def static_rows(variants: dict, prompts: list[list[int]], batch: int,
     rows = [result_row(batch, name, dec, method, len(prompts), outs[name], walls[name], args,
                        warmup_s=warmups[name][0], captures=warmups[name][1], prefill_s=prefills[name],
                        ms_per_pass=1e3 * (walls[name] - prefills[name]) / max(passes[name], 1),
-                       max_steps=max(o.steps for o in outs[name]))
+                       max_steps=max(o.steps for o in outs[name]), passes=passes[name],
+                       mean_row_steps=sum(o.steps for o in outs[name]) / len(outs[name]))
             for name, (dec, method) in variants.items()]
     return {name: [o.token_ids for o in outs[name]] for name in variants}, rows
 

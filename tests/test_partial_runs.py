@@ -70,6 +70,8 @@ def test_a_cut_off_batch_speed_run_is_finished_by_the_same_command(tmp_path, mon
         assert row["prompts"] == {1: 3, 2: 4}[row["batch_size"]]
         assert row["identical_to_baseline"] == 1.0 and row["new_tokens"] == 6 * row["prompts"]
         assert 0 < row["prefill_s"] < row["wall_time_s"] and row["ms_per_pass"] > 0
+        batches = row["prompts"] // row["batch_size"]
+        assert row["max_steps"] <= row["passes"] and row["mean_row_steps"] * batches <= row["passes"]
         assert row["speedup"] == pytest.approx(row["tokens_per_s"] / next(
             r["tokens_per_s"] for r in done["rows"] if r["batch_size"] == row["batch_size"]
             and r["variant"] == "baseline"))
