@@ -237,13 +237,14 @@ def plot(result: dict, path: str) -> None:
     for variant in dict.fromkeys(r["variant"] for r in result["rows"]):
         if variant == "baseline":
             continue
-        here = [r for r in result["rows"] if r["variant"] == variant]
+        here = sorted((r for r in result["rows"] if r["variant"] == variant), key=lambda r: r["batch_size"])
         ax.plot([r["batch_size"] for r in here], [r["speedup"] for r in here], marker="o", label=variant)
     ax.axhline(1.0, color="grey", linestyle="--", linewidth=1, label="baseline")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size")
     ax.set_ylabel("throughput / baseline")
-    ax.set_title(f"{result['model']}, {result['dtype']}, {result['device']}")
+    ax.set_title(f"{result['model']}, {result['dtype']}, {result['device']}, "
+                 f"{result.get('batching', 'static')} batching", fontsize=10)
     ax.legend()
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -265,7 +265,8 @@ def test_continuous_batch_speed_keeps_the_batcher_full_and_decodes_what_static_b
     output = tmp_path / "continuous.json"
     argv = ["--batch_sizes", "2", "--prompts", "3", "--max_new_tokens", "6", "--bench", "gsm8k", *CPU,
             "--output", str(output)]
-    assert batch_speed.main([*argv, "--batching", "continuous"]) == 0
+    assert batch_speed.main([*argv, "--batching", "continuous", "--plot", str(tmp_path / "speed.png")]) == 0
+    assert (tmp_path / "speed.png").stat().st_size > 0
     done = json.loads(output.read_text())
     assert done["batching"] == "continuous" and done["settings"]["batching"] == "continuous"
     assert [r["variant"] for r in done["rows"]] == ["baseline", "ppd"]
