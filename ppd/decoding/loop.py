@@ -241,14 +241,6 @@ def tree_fits(decoder: "Decoder", bucket: int, need: int, capacity: int, exact: 
     return limit is None or attention_width(need, capacity, exact) <= limit
 
 
-def run_step(decoder: "Decoder", runner: StepRunner, state: DecodeState, tables: TreeTables | None, longest: int,
-             rows_read: int, kind: StepKind, exact: bool, whole: bool = False) -> list[list[int]]:
-    """:func:`queue_step`, then the report of the first ``rows_read`` rows: the step's one host
-    synchronisation."""
-    queue_step(decoder, runner, state, tables, longest, kind, exact, whole)
-    return state.report[:rows_read].tolist()
-
-
 def queue_step(decoder: "Decoder", runner: StepRunner, state: DecodeState, tables: TreeTables | None, longest: int,
                kind: StepKind, exact: bool, whole: bool = False) -> None:
     """Queue one step of every row of ``state`` (verifying ``tables``' trees, or one row each where ``tables`` is

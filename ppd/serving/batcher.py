@@ -280,6 +280,11 @@ class _Lane:
         self.staging: DecodeState | None = (decoder._new_state(1) if graphs is not None
                                             and not self.batcher._compiled_prefill else None)
 
+    @property
+    def advance(self) -> int:
+        """The most cache entries one step commits to a row (its report's token columns)."""
+        return self.state.report.shape[1] - REPORT_HEAD
+
     def view(self, bucket: int) -> DecodeState:
         """The state's first ``bucket`` rows; the same object each time (graphs are keyed by it)."""
         if bucket not in self._views:
@@ -362,13 +367,12 @@ class _Lane:
         :func:`~ppd.decoding.loop.decode` does, so the device never waits for the host's bookkeeping."""
         batcher = self.batcher
         depth = 2 if runs_ahead(batcher.decoder.device) else 1
-        advance = self.state.report.shape[1] - REPORT_HEAD  # the most cache entries one step commits to a row
         while len(self.queued) < depth:
             n = len(self.rows)
             bucket = batcher._bucket(n)
             view = self.view(bucket)
             # The lengths known are those before the queued steps, each of which may commit ``advance`` more.
-            longest = max(row.length for row in self.rows) + len(self.queued) * advance
+            longest = max(row.length for row in self.rows) + len(self.queued) * self.advance
             queue_step(batcher.decoder, batcher._runner, view, self.tables(bucket), longest,
                        StepKind.of(False, [row.config for row in self.rows]), batcher._exact, batcher._whole)
             batcher.steps_run += 1
@@ -420,8 +424,7 @@ class _Lane:
             if i != last:
                 moved = self.rows[last]
                 # Steps still queued run before the move and may each commit ``advance`` entries to the row.
-                advance = self.state.report.shape[1] - REPORT_HEAD
-                self.state.move_row(last, i, moved.length + len(self.queued) * advance)
+                self.state.move_row(last, i, moved.length + len(self.queued) * self.advance)
                 self.rows[i] = moved
             self.state.vacate(last)
             self.rows.pop()

@@ -11,8 +11,9 @@ and the baseline, on one warmed-up engine.
 3. ``batcher + http``: the same batcher behind the real FastAPI app on uvicorn (loopback), one streamed
    chat request read with httpx, time between content chunks.
 
-In the batcher runs each step's own time (launch, GPU, read-back: ``run_step``) is recorded apart from the
-host time between steps, so a gap the server adds shows up as one or the other. On the load benchmark
+In the batcher runs each step's own time (``_Lane.step``: queuing it and reading a report, its own or, where the
+batcher runs ahead, the step's before; ``run_step``, launch and read-back, when this was measured) is recorded apart
+from the host time between steps, so a gap the server adds shows up as one or the other. On the load benchmark
 (H200, 2026-11-26) a PPD chunk came every 3.1 ms where the decoder's loop ran a step in 2.2 ms, while the
 baseline's chunk came every 1.7 ms against 1.6 ms: this script finds out why.
 """
@@ -45,13 +46,13 @@ def median_ms(values: list[float]) -> float | None:
 
 
 class StepClock:
-    """Wraps the batcher's ``run_step``: each call's duration, and the host time between calls."""
+    """Wraps the batcher's step (``_Lane.step``): each call's duration, and the host time between calls."""
 
     def __init__(self):
         self.inside: list[float] = []
         self.between: list[float] = []
         self._last_end: float | None = None
-        self._real = batcher_module.run_step
+        self._real = batcher_module._Lane.step
 
     def __enter__(self):
         def timed(*args, **kwargs):
@@ -63,11 +64,11 @@ class StepClock:
             self.inside.append(self._last_end - start)
             return out
 
-        batcher_module.run_step = timed
+        batcher_module._Lane.step = timed
         return self
 
     def __exit__(self, *exc):
-        batcher_module.run_step = self._real
+        batcher_module._Lane.step = self._real
 
     def summary(self) -> dict:
         return {"run_step_ms": median_ms(self.inside), "between_steps_ms": median_ms(self.between),
