@@ -4,7 +4,6 @@ lossless (greedy == transformers' greedy, eager and compiled), and replay gives 
 from __future__ import annotations
 
 import itertools
-import json
 import random
 
 import numpy as np
@@ -136,14 +135,10 @@ def test_sampled_with_confident_trees_writes_the_baselines_text_for_the_same_see
 
 def test_the_real_model_writes_its_greedy_text_with_confident_trees():
     """`--tree_choice confident` on the real default model and its shipped trees: the baseline's tokens."""
-    from .test_generate_cli import run
+    from .test_generate_cli import json_by_method, run
 
-    records = {}
-    for method, extra in (("ppd", ["--tree_choice", "confident"]), ("baseline", [])):
-        proc = run("--model", "smollm2-135m-instruct", "--prompt", "List three uses of a paperclip.",
-                   "--max_new_tokens", "48", "--method", method, "--capture", "eager", "--json", *extra)
-        assert proc.returncode == 0, proc.stderr
-        records[method] = json.loads(proc.stdout.strip().splitlines()[-1])
+    records = json_by_method("--prompt", "List three uses of a paperclip.", "--max_new_tokens", "48",
+                             "--capture", "eager", ppd_args=("--tree_choice", "confident"))
     assert records["ppd"]["token_ids"] == records["baseline"]["token_ids"]
     assert records["ppd"]["accept_length"] > 1.3
     proc = run("--model", "smollm2-135m-instruct", "--prompt", "Hi", "--tree_choice", "widest")

@@ -13,13 +13,19 @@ def run(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
-def test_json_output_for_both_methods():
+def json_by_method(*args: str, ppd_args: tuple[str, ...] = ()) -> dict[str, dict]:
+    """`application.generate --json` on the default model with ``args``, as PPD (with ``ppd_args`` too) and as the
+    baseline: each method's record (the run must succeed)."""
     records = {}
-    for method in ("ppd", "baseline"):
-        proc = run("--model", "smollm2-135m-instruct", "--prompt", "What is the capital of France?",
-                   "--max_new_tokens", "24", "--method", method, "--json")
+    for method, extra in (("ppd", ppd_args), ("baseline", ())):
+        proc = run("--model", "smollm2-135m-instruct", *args, "--method", method, "--json", *extra)
         assert proc.returncode == 0, proc.stderr
         records[method] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return records
+
+
+def test_json_output_for_both_methods():
+    records = json_by_method("--prompt", "What is the capital of France?", "--max_new_tokens", "24")
     ppd, base = records["ppd"], records["baseline"]
     for key in ("text", "token_ids", "new_tokens", "steps", "accept_length", "tokens_per_s"):
         assert key in ppd

@@ -254,16 +254,10 @@ def test_prompt_lookup_alone_decodes_the_greedy_text_and_replays_its_steps():
 
 
 def test_the_generate_command_takes_a_lookup_chain_and_refuses_one_beside_confident_trees():
-    import json
+    from tests.test_generate_cli import json_by_method, run
 
-    from tests.test_generate_cli import run
-
-    records = {}
-    for method, extra in (("ppd", ["--lookup", "8"]), ("baseline", [])):
-        proc = run("--model", "smollm2-135m-instruct", "--prompt", "Repeat after me three times: red, green, blue.",
-                   "--max_new_tokens", "40", "--method", method, "--capture", "eager", "--json", *extra)
-        assert proc.returncode == 0, proc.stderr
-        records[method] = json.loads(proc.stdout.strip().splitlines()[-1])
+    records = json_by_method("--prompt", "Repeat after me three times: red, green, blue.", "--max_new_tokens", "40",
+                             "--capture", "eager", ppd_args=("--lookup", "8"))
     assert records["ppd"]["token_ids"] == records["baseline"]["token_ids"]
     proc = run("--model", "smollm2-135m-instruct", "--prompt", "Hi", "--lookup", "8", "--tree_choice", "confident")
     assert proc.returncode == 2 and "beside fixed trees only" in proc.stderr, proc.stderr
