@@ -143,7 +143,8 @@ def result_row(batch: int, name: str, decoder, method: str, count: int, outs: li
                args: argparse.Namespace, **timing) -> dict:
     tokens = sum(o.new_tokens for o in outs)
     steps = sum(o.steps for o in outs)
-    tables = decoder.tables_for_batch(batch, args.capture) if method == "ppd" else None
+    tables = (decoder.tables_for_batch(batch, args.capture, static=args.batching == "static")
+              if method == "ppd" else None)
     return {"batch_size": batch, "variant": name, "batching": args.batching,
             "tree_rows": tables.num_rows if tables else 1, "prompts": count, "new_tokens": tokens,
             "wall_time_s": wall, "tokens_per_s": tokens / wall, "accept_length": tokens / steps if steps else None,

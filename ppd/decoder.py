@@ -222,17 +222,20 @@ class Decoder:
             raise PromptTooLongError(f"the prompt has {num_tokens} tokens but {self.capacity_reason} is "
                                      f"{self.capacity}: no room for a single new token")
 
-    def tables_for(self, batch_size: int) -> TreeTables | None:
-        """The tree tables PPD verifies a batch of ``batch_size`` rows with (``None``: the one-row step)."""
+    def tables_for(self, batch_size: int, static: bool = False) -> TreeTables | None:
+        """The tree tables PPD verifies a batch of ``batch_size`` rows with (``None``: the one-row step): a
+        continuously refilled batch (the serving engine's), or a ``static`` one (:meth:`generate`'s)."""
         if self.policy is None:
             return self.tables
-        trees = self.policy.for_batch(batch_size)
+        trees = self.policy.for_batch(batch_size, static)
         return None if trees is None else self._tables_of[id(trees)]
 
-    def tables_for_batch(self, size: int, capture: CaptureMode | str) -> TreeTables | None:
+    def tables_for_batch(self, size: int, capture: CaptureMode | str, static: bool = True) -> TreeTables | None:
         """The tree tables a batch of ``size`` prompts decodes with under ``capture``: those of the bucket of rows
-        that the mode's state holds (a power of two where graphs are captured)."""
-        return self.tables_for(batch_bucket(size, exact=not captures_graphs(resolve_mode(capture, self.device))))
+        that the mode's state holds (a power of two where graphs are captured), in a static batch (default) or a
+        continuously refilled one."""
+        bucket = batch_bucket(size, exact=not captures_graphs(resolve_mode(capture, self.device)))
+        return self.tables_for(bucket, static)
 
     def max_tree_width(self, batch_size: int) -> int | None:
         """The widest attention (cache slots) the batch policy runs a tree at for ``batch_size`` rows (``None``:
@@ -318,7 +321,7 @@ class Decoder:
         prefills = ["ppd", "baseline"] if both else [method]
         for size in batch_sizes:
             bucket = batch_bucket(size, exact=not captures_graphs(mode))
-            tables = self.tables_for(bucket) if use_ppd else None
+            tables = self.tables_for(bucket, static=True) if use_ppd else None
             for name in prefills:
                 for _ in decode(self, [[0, 0]] * size, DecodeConfig(method=name, max_new_tokens=1, capture=mode)):
                     pass

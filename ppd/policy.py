@@ -10,6 +10,13 @@ grows and shrinks.
 A tree step's attention also grows with the cache slots it reads (its width), much faster than the one-row
 step's: a bucket may name the widest attention its tree still pays at (``max_width``); past it, as a
 conversation grows long, the decoder runs the one-row step.
+
+Static batches (``Decoder.generate`` with a list of prompts: every row starts together and the batch steps until
+its last row stops) may pay differently from a continuously refilled one (the serving engine's batcher, where a
+finished row takes the next request at once): a static batch waits for its slowest row, and a tree's rows
+accept unevenly. A bucket may therefore name another tree set, or none, for its static batches
+(``static_trees``, chosen from end-to-end timing as ``eval.batch_speed`` measures it); the other buckets' static
+batches run the bucket's own.
 """
 
 from __future__ import annotations
@@ -28,12 +35,14 @@ POLICY_FORMAT_VERSION = 1
 class BatchPolicy:
     """``trees[i]`` serves batches of ``buckets[i - 1] + 1 .. buckets[i]`` rows (``None``: no tree, the
     one-row step) while a step attends over at most ``max_widths[i]`` cache slots (``None``: any width);
-    batches past the last bucket take the last entry."""
+    batches past the last bucket take the last entry. ``static_trees[bucket]`` (by the bucket's max_batch), where
+    given, serves that bucket's static batches instead (``None``: the one-row step)."""
 
     buckets: tuple[int, ...]
     trees: tuple[TreeSet | None, ...]
     metadata: dict = field(default_factory=dict)
     max_widths: tuple[int | None, ...] | None = None  # one per bucket; left out: no bucket limits its tree
+    static_trees: dict[int, TreeSet | None] = field(default_factory=dict)  # by bucket; the others: ``trees``
 
     def __post_init__(self) -> None:
         if not self.buckets or len(self.buckets) != len(self.trees):
@@ -45,16 +54,24 @@ class BatchPolicy:
                              f"{list(self.max_widths)} for {len(self.buckets)} buckets")
         if any(b < 1 for b in self.buckets) or list(self.buckets) != sorted(set(self.buckets)):
             raise ValueError(f"buckets must be increasing batch sizes >= 1, got {list(self.buckets)}")
-        sets = [t for t in self.trees if t is not None]
+        unknown = sorted(set(self.static_trees) - set(self.buckets))
+        if unknown:
+            raise ValueError(f"static tree sets for buckets {unknown}, which the policy does not have "
+                             f"({list(self.buckets)})")
+        sets = [t for t in self.trees + tuple(self.static_trees.values()) if t is not None]
         if len({t.num_prompt_tokens for t in sets}) > 1:
             raise ValueError("every tree set of a batch policy must be built for the same number of prompt tokens")
 
     def _index(self, size: int) -> int:
         return next((i for i, bucket in enumerate(self.buckets) if size <= bucket), len(self.buckets) - 1)
 
-    def for_batch(self, size: int) -> TreeSet | None:
-        """The tree set (or ``None``) for a batch of ``size`` rows."""
-        return self.trees[self._index(size)]
+    def for_batch(self, size: int, static: bool = False) -> TreeSet | None:
+        """The tree set (or ``None``) for a batch of ``size`` rows: a continuously refilled one, or a ``static``
+        one (every row starts together; the batch steps until its last row stops)."""
+        i = self._index(size)
+        if static and self.buckets[i] in self.static_trees:
+            return self.static_trees[self.buckets[i]]
+        return self.trees[i]
 
     def max_width_for(self, size: int) -> int | None:
         """The widest attention (cache slots) a batch of ``size`` rows runs its tree at (``None``: any)."""
@@ -63,14 +80,18 @@ class BatchPolicy:
     def each(self, edit: Callable[[TreeSet], TreeSet]) -> "BatchPolicy":
         """The same policy with ``edit`` applied to every tree set (once to a set that serves several buckets)."""
         made: dict[int, TreeSet] = {}
-        trees = tuple(None if t is None else made.setdefault(id(t), edit(t)) for t in self.trees)
-        return replace(self, trees=trees)
+
+        def edited(t):
+            return None if t is None else made.setdefault(id(t), edit(t))
+
+        return replace(self, trees=tuple(edited(t) for t in self.trees),
+                       static_trees={b: edited(t) for b, t in self.static_trees.items()})
 
     @property
     def tree_sets(self) -> list[TreeSet]:
         """The distinct tree sets the policy uses, in bucket order."""
         seen: list[TreeSet] = []
-        for trees in self.trees:
+        for trees in self.trees + tuple(self.static_trees.values()):
             if trees is not None and all(trees is not s for s in seen):
                 seen.append(trees)
         return seen
@@ -83,23 +104,31 @@ class BatchPolicy:
             budget = str(t.metadata.get("budget", max(len(x.paths) for x in t.trees.values())))
             return budget + (f" + lookup {t.lookup}" if t.lookup else "")
         return ", ".join(f"<= {b}: {rows(t)}" + ("" if w is None or t is None else f" (to width {w})")
+                         + ("" if b not in self.static_trees else f" (static batches: {rows(self.static_trees[b])})")
                          for b, t, w in zip(self.buckets, self.trees, self.max_widths))
 
     # ------------------------------------------------------------------ JSON
     def to_json(self) -> dict:
+        def tree_json(t):
+            return None if t is None else t.to_json()
+
         return {"format_version": POLICY_FORMAT_VERSION, "metadata": self.metadata,
-                "buckets": [{"max_batch": b, "trees": None if t is None else t.to_json(),
-                             **({} if w is None else {"max_width": w})}
+                "buckets": [{"max_batch": b, "trees": tree_json(t), **({} if w is None else {"max_width": w}),
+                             **({"static_trees": tree_json(self.static_trees[b])} if b in self.static_trees else {})}
                             for b, t, w in zip(self.buckets, self.trees, self.max_widths)]}
 
     @classmethod
     def from_json(cls, data: dict) -> "BatchPolicy":
         check_format_version(data, POLICY_FORMAT_VERSION, "batch policy")
         entries = data["buckets"]
-        return cls(tuple(int(e["max_batch"]) for e in entries),
-                   tuple(None if e["trees"] is None else TreeSet.from_json(e["trees"]) for e in entries),
+
+        def tree_set(found):
+            return None if found is None else TreeSet.from_json(found)
+
+        return cls(tuple(int(e["max_batch"]) for e in entries), tuple(tree_set(e["trees"]) for e in entries),
                    dict(data.get("metadata", {})),
-                   tuple(None if e.get("max_width") is None else int(e["max_width"]) for e in entries))
+                   tuple(None if e.get("max_width") is None else int(e["max_width"]) for e in entries),
+                   {int(e["max_batch"]): tree_set(e["static_trees"]) for e in entries if "static_trees" in e})
 
     def save(self, path: str | Path) -> None:
         atomic_write_json(path, self.to_json(), sort_keys=True)

@@ -225,12 +225,67 @@ def test_the_batch_policy_switches_trees_as_the_batch_crosses_a_bucket(monkeypat
 
 def test_policy_round_trips_through_json(tmp_path):
     policy = BatchPolicy((1, 16, 128), (random_tree_set(seed=1), random_tree_set(seed=2, size=4), None),
-                         {"device": "cpu"})
+                         {"device": "cpu"}, static_trees={16: None, 128: random_tree_set(seed=3, size=2)})
     policy.save(tmp_path / "policy_cpu_float32.json")
     loaded = BatchPolicy.load(BatchPolicy.adapter_file(tmp_path, "cpu", "float32"))
     assert loaded == policy
+    assert loaded.for_batch(9) is not None and loaded.for_batch(9, static=True) is None
+    assert loaded.for_batch(1, static=True) == loaded.for_batch(1) == policy.trees[0]
+    assert loaded.for_batch(500) is None and loaded.for_batch(500, static=True) == policy.static_trees[128]
+    assert "(static batches: -)" in loaded.describe()
+    # a policy without static tree sets writes none, and reads back the same
+    plain = BatchPolicy((1, 8), (random_tree_set(seed=1), None))
+    assert all("static_trees" not in e for e in plain.to_json()["buckets"])
+    assert BatchPolicy.from_json(plain.to_json()) == plain
     with pytest.raises(ValueError, match="increasing"):
         BatchPolicy((4, 2), (None, None))
+    with pytest.raises(ValueError, match=r"buckets \[4\]"):
+        BatchPolicy((1, 8), (None, None), static_trees={4: None})
+
+
+def test_static_batches_follow_the_policys_static_tree_sets(monkeypatch):
+    """A bucket whose static batches run the one-row step: ``generate`` over a list of prompts there runs the
+    baseline's forwards (its prefill without the prompt tokens, one token a step, the same tokens), while the
+    serving engine's batcher, continuously refilled, keeps the bucket's tree and still decodes what each request
+    decodes alone. A static tree set replaced by the policy's ``each`` stays a static one."""
+    from ppd.decoding import loop
+
+    model = tiny_model(seed=3)
+    trees = random_tree_set(seed=7, size=12)
+    policy = BatchPolicy((1, 4), (trees, trees), static_trees={4: None})
+    decoder = Decoder(model, random_prompt_tokens(model, 3, 1, seed=3), policy=policy)
+    assert decoder.tables_for(3) is decoder.tables_for(3, static=False) is decoder.tables
+    assert decoder.tables_for(3, static=True) is None and decoder.tables_for(1, static=True) is decoder.tables
+    assert decoder.tables_for_batch(3, "eager") is None
+    assert decoder.tables_for_batch(3, "eager", static=False) is decoder.tables
+    edited = policy.each(lambda t: t.with_lookup(4))
+    assert edited.static_trees == {4: None} and edited.trees[0].lookup == 4
+
+    seen = []
+    real = loop.prefill
+
+    def prefill(decoder, batch, state, use_ppd, *args, **kwargs):
+        seen.append((len(batch), use_ppd))
+        return real(decoder, batch, state, use_ppd, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "prefill", prefill)
+    prompts = [[1, 2, 3, 4], [5, 1, 7], [2, 9, 9, 4, 1]]
+    config = DecodeConfig(max_new_tokens=40, stop_on_eos=False)
+    static = decoder.generate(prompts, config)
+    baseline = decoder.generate(prompts, DecodeConfig(method="baseline", max_new_tokens=40, stop_on_eos=False))
+    assert [o.token_ids for o in static] == [o.token_ids for o in baseline]
+    assert all(t == 1 for o in static for t in o.step_tokens)
+    assert seen[0] == (3, False)  # PPD's static batch prefilled as the baseline's does
+    monkeypatch.undo()
+    alone = [decoder.generate(p, config) for p in prompts]
+    assert any(max(o.step_tokens) > 1 for o in alone)  # batch 1 runs the tree
+    with ContinuousBatcher(decoder, BatcherConfig(max_batch=4)) as batcher:
+        streams = [batcher.submit(p, config) for p in prompts]
+        results = [s.result(timeout=60) for s in streams]
+    assert [r.token_ids for r in results] == [o.token_ids for o in alone]
+    # three rows at once (bucket 4) took tree steps: more than a token in some step
+    assert any(max(r.step_tokens) > 1 for r in results)
+    assert sum(r.steps for r in results) < sum(o.steps for o in static)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

@@ -162,8 +162,8 @@ def decode(decoder: "Decoder", batch: list[list[int]], config: DecodeConfig) -> 
     lengths = [len(x) for x in batch]
     decoder.check_prompt_fits(max(lengths))
     bucket = batch_bucket(n, exact)
-    # The batch policy's tree for this bucket; none where the one-row step is faster at this batch size.
-    tables = decoder.tables_for(bucket) if use_ppd else None
+    # The batch policy's tree for this bucket's static batches; none where the one-row step is faster there.
+    tables = decoder.tables_for(bucket, static=True) if use_ppd else None
     kind = StepKind.of(tables is not None, [config])
 
     state = decoder.states.acquire(bucket)
