@@ -247,3 +247,28 @@ def test_captured_prefills_decode_what_eager_prefills_do_on_the_gpu():
         _outputs(warm, requests, method=method, capture="compiled_graph")
         warm.generate([1] * 290, DecodeConfig(method=method, max_new_tokens=4))  # the widest bucket
     assert len(graphs.captures) == 8
+
+
+def test_the_head_takes_a_steps_node_rows_as_one_matrix():
+    """A step's node logits come from ``hidden[:, :C]``, a view that is not contiguous. The head gets its rows as
+    one matrix product, eager and compiled: ``F.linear`` on such a view runs a batched product over the batch
+    rows with the head's weight broadcast, which on a GPU reads the whole weight once per row of the batch."""
+    from torch._inductor.utils import run_and_get_code
+    from torch.profiler import profile
+
+    from ppd.decoding.step import LanguageModel
+
+    lm = LanguageModel.of(tiny_model(seed=4))
+    hidden = torch.randn(6, 9, lm.embed.weight.shape[1])
+    nodes = hidden[:, :4]
+    assert not nodes.is_contiguous()
+    expected = lm.head(nodes.contiguous())
+    with profile() as run:
+        got = lm.logits(nodes)
+    products = {e.name for e in run.events() if e.name in ("aten::mm", "aten::bmm")}
+    assert products == {"aten::mm"}
+    torch.testing.assert_close(got, expected)
+    torch._dynamo.reset()
+    compiled, code = run_and_get_code(torch.compile(lm.logits, fullgraph=True), nodes)
+    assert "bmm" not in "\n".join(code)
+    torch.testing.assert_close(compiled, expected)

