@@ -87,6 +87,10 @@ def make_parser() -> argparse.ArgumentParser:
                        help="how a request that does not name a method decodes (default: %(default)s)")
     group.add_argument("--served_model_name", default=None,
                        help="the model's name in the API (default: the loaded model's id)")
+    group.add_argument("--switch_interval_ms", type=float, default=None,
+                       help="the interpreter's thread switch interval (sys.setswitchinterval): the batcher's thread "
+                            "shares the interpreter lock with the HTTP event loop, and after each wait for the device "
+                            "it may wait this long for the lock (default: Python's, 5 ms)")
     return parser
 
 
@@ -427,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--max_batch must be >= 1, not {args.max_batch}")
     if args.max_queue < 0:
         parser.error(f"--max_queue must be >= 0, not {args.max_queue}")
+    if args.switch_interval_ms is not None and not args.switch_interval_ms > 0:
+        parser.error(f"--switch_interval_ms must be > 0, not {args.switch_interval_ms}")
 
     loaded = load_decoder_or_exit(args)
     if args.max_batch is None:
@@ -447,6 +453,9 @@ def main(argv: list[str] | None = None) -> int:
         if seconds:
             print(f"decoding steps compiled and captured in {seconds:.1f} s, for every batch size up to "
                   f"{args.max_batch}; KV caches {batcher.cache_bytes / 2**30:.1f} GiB", flush=True)
+        if args.switch_interval_ms is not None:
+            sys.setswitchinterval(args.switch_interval_ms / 1e3)
+            print(f"thread switch interval {sys.getswitchinterval() * 1e3:g} ms", flush=True)
         batcher.start()
         app = create_app(batcher, loaded.tokenizer, model_id, api_key=args.api_key, default_method=args.method)
         if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:

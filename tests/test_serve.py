@@ -152,7 +152,8 @@ def test_flags_bind_locally_by_default_and_read_the_key_from_the_environment(mon
     monkeypatch.setenv(serve.API_KEY_ENV, "from-env")
     assert serve.make_parser().parse_args([]).api_key == "from-env"
     for flags, named in ((["--port", "70000"], "--port"), (["--max_batch", "0"], "--max_batch"),
-                         (["--max_queue", "-1"], "--max_queue")):
+                         (["--max_queue", "-1"], "--max_queue"),
+                         (["--switch_interval_ms", "0"], "--switch_interval_ms")):
         with pytest.raises(SystemExit):  # refused before any model loads
             serve.main(flags)
         assert named in capsys.readouterr().err
@@ -362,7 +363,7 @@ def test_a_full_queue_answers_429(real_model, decoder, model_id):
 def test_the_program_serves_until_interrupted(model_id):
     env = {k: v for k, v in os.environ.items() if k != serve.API_KEY_ENV}
     command = [sys.executable, "-m", "application.serve", "--device", "cpu", "--port", "0", "--max_batch", "2",
-               "--max_seq_len", "256", "--served_model_name", "smol", "--api_key", "k"]
+               "--max_seq_len", "256", "--served_model_name", "smol", "--api_key", "k", "--switch_interval_ms", "0.5"]
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True)
     lines: queue.Queue = queue.Queue()
@@ -377,6 +378,7 @@ def test_the_program_serves_until_interrupted(model_id):
             output.append(line)
             if line.startswith("ppd serving smol on http://127.0.0.1:"):
                 url = line.split(" on ")[1].strip()
+        assert "thread switch interval 0.5 ms\n" in output
         key = {"Authorization": "Bearer k"}
         assert httpx.get(f"{url}/health").json() == {"status": "ok"}
         assert [m["id"] for m in httpx.get(f"{url}/v1/models", headers=key).json()["data"]] == ["smol"]

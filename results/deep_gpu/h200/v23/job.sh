@@ -10,7 +10,8 @@
 #     173 us for the product, 19-48 us for 80-512 rows alone): the batch-16 step profile, to set beside v21's.
 # (3) Decoder throughput with it: static batches 16 8 4 2 1, the policy (whose bucket 16 now runs the one-row step
 #     in static batches) beside the 32-row tree with its chain at every size; the continuous batcher at 16 4 1.
-# (4) The server at 16 4 1 64 clients.
+# (4) The server at 16 4 1 64 clients; then at 16 with a 0.5 ms thread switch interval (application.serve
+#     --switch_interval_ms), each read by admission_gaps.py.
 set -u
 source /root/tree/results/deep_gpu/lease/job_env.sh v23
 E="--dtype bfloat16 --capture compiled_graph"
@@ -37,6 +38,14 @@ L=results/lookup/trees
     --output $R/load_bfloat16.json --plot $R/load_bfloat16.png > $R/logs/load.log 2>&1; echo "rc $?"
   grep -E "^\|" $R/logs/load.log | head -12
   python results/deep_gpu/admission_gaps.py $R/load_bfloat16.json --output $R/admission_gaps.json
+  # the same 16 clients with a 0.5 ms thread switch interval: does the batcher's thread wait for the interpreter
+  # lock while the event loop takes a new request in?
+  t switch; timeout 400 python -m eval.load --launch --model smollm2-135m-instruct \
+    --server_args="--dtype bfloat16 --capture compiled_graph --max_batch 64 --max_seq_len 1024 --switch_interval_ms 0.5" \
+    --clients 16 --methods ppd baseline --bench mt_bench --max_tokens 256 \
+    --output $R/load_switch05.json > $R/logs/load_switch05.log 2>&1; echo "rc $?"
+  grep -E "^\|" $R/logs/load_switch05.log | head -6
+  python results/deep_gpu/admission_gaps.py $R/load_switch05.json --output $R/admission_gaps_switch05.json
   t end
 } > /root/res/job.log 2>&1
 echo "JOB DONE" >> /root/res/job.log
