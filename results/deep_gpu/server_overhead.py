@@ -28,7 +28,6 @@ import threading
 import time
 
 import httpx
-import torch
 import uvicorn
 
 from application.serve import create_app
