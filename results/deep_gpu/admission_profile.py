@@ -65,7 +65,8 @@ class AdmissionClock:
         self.steps: list[float] = []
         self.step_ends: list[float] = []
         self.admit_spans: list[tuple[float, float]] = []
-        self._current: dict[str, float] | None = None
+        self._current: dict[str, float] | None = None  # the phases' seconds of the admission under way
+        self._phase: str | None = None  # the phase under way
         self._stack = contextlib.ExitStack()
 
     def _wait(self) -> None:
@@ -77,14 +78,18 @@ class AdmissionClock:
         clock = self
 
         def timed(*args, **kwargs):
-            if clock._current is None or phase in clock._current:  # outside an admission, or nested in itself
+            # outside an admission, or inside another phase (the row move of ``remove_finished`` copies a row):
+            # the outer phase's time holds it, so that the phases add up to no more than the admission
+            if clock._current is None or clock._phase is not None:
                 return real(*args, **kwargs)
             clock._wait()
+            clock._phase = phase
             start = time.perf_counter()
             try:
                 return real(*args, **kwargs)
             finally:
                 clock._wait()
+                clock._phase = None
                 clock._current[phase] = clock._current.get(phase, 0.0) + time.perf_counter() - start
 
         setattr(owner, name, timed)
@@ -181,9 +186,9 @@ def profile_table(prof, device: torch.device, top: int = 25) -> dict:
     ranked = sorted(host.items(), key=lambda kv: kv[1][1], reverse=True)[:top]
     rows = {"admissions": len(spans),
             "host": [{"op": name, "calls": calls, "self_host_us": round(us, 1)} for name, (calls, us) in ranked]}
-    averages = prof.key_averages()
     if device.type == "cuda":
-        kernels = sorted(averages, key=lambda e: getattr(e, "self_device_time_total", 0.0), reverse=True)[:top]
+        kernels = sorted(prof.key_averages(), key=lambda e: getattr(e, "self_device_time_total", 0.0),
+                         reverse=True)[:top]
         rows["device"] = [{"kernel": e.key[:160], "calls": e.count,
                            "self_device_us": round(getattr(e, "self_device_time_total", 0.0), 1)} for e in kernels]
     return rows
@@ -206,7 +211,8 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", nargs="+", default=["ppd", "baseline"], choices=["ppd", "baseline"])
     parser.add_argument("--sync", action="store_true", help="synchronise the device around each phase")
     parser.add_argument("--profile", action="store_true",
-                        help="torch's profiler over 10 admissions more (their operators' host time, kernels' device time)")
+                        help="torch's profiler over 10 admissions more (their operators' host time, the kernels' "
+                             "device time)")
     parser.add_argument("--output", required=True)
     args = parser.parse_args(argv)
     if args.max_batch < 2:
