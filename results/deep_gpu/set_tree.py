@@ -39,7 +39,7 @@ def main() -> None:
         raise SystemExit(f"no bucket with max_batch {unknown}; the policy's are {list(policy.buckets)}")
     trees = None if args.tree == "none" else TreeSet.load(args.tree)
     replaced = {b: (t.metadata.get("budget") if t is not None else None)
-                for b, t in ((b, policy.for_batch(b, args.static)) for b in policy.buckets) if b in args.buckets}
+                for b, t in ((b, policy.for_batch(b, args.static)) for b in args.buckets)}
     record = {"tree": args.tree, "lookup": trees.lookup if trees is not None else None, "buckets": args.buckets,
               "batching": "static" if args.static else "both", "replaced_budgets": replaced,
               "from": args.evidence, "note": args.note}
