@@ -26,6 +26,16 @@ class Download:
         else:
             self._host = tensor.clone()
 
+    def ready(self) -> bool:
+        """Whether the copy has run (reading it now would not wait); always on a CPU."""
+        return self._event is None or self._event.query()
+
+    def order_after(self) -> None:
+        """Make the current stream's later work wait for the copy, and so for everything queued before it on its
+        own stream (the host does not wait)."""
+        if self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)
+
     def wait(self) -> torch.Tensor:
         """The host tensor, once the copy has run (waits for nothing queued after it)."""
         if self._event is not None:

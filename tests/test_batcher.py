@@ -72,6 +72,48 @@ def test_requests_prefilled_in_the_staging_row_decode_what_they_decode_alone():
     assert {key[1:3] for key in graphs._graphs} == {(1, 64), (1, 128)}
 
 
+def test_requests_join_through_the_staging_row_while_the_batch_runs_ahead(monkeypatch):
+    """On a GPU a joining request's prefill runs in the staging row beside the running rows' steps, and its row is
+    copied into the batch only once that prefill has run. Here (run ahead forced, the staging row's padded prefill
+    run without capture) a prefill reads as not run yet two times in three: rows are stepped, finish, are cancelled
+    and move while a request waits in the staging row, and every request still decodes what it decodes alone."""
+    from ppd.decoding.prefill_graphs import PrefillGraphs
+    from ppd.serving import batcher as batching
+
+    monkeypatch.setenv("PPD_RUN_AHEAD", "1")
+    polls = iter(range(10**6))
+    monkeypatch.setattr(batching.Download, "ready", lambda self: next(polls) % 3 == 2)
+    pending_at_read = []
+    read_step = batching._Lane._read_step
+
+    def recorded(lane):
+        pending_at_read.append(lane.flight is not None)
+        read_step(lane)
+
+    monkeypatch.setattr(batching._Lane, "_read_step", recorded)
+    model = tiny_model(seed=3)
+    tokens, trees = random_prompt_tokens(model, 3, 1, seed=3), random_tree_set(seed=7, size=12)
+    staged, exact = (Decoder(model, tokens, trees, eos_token_ids=[5]) for _ in range(2))
+    reqs = requests(6, 14)
+    configs = [DecodeConfig(method="baseline" if i % 5 == 2 else "ppd", max_new_tokens=n, seed=i,
+                            temperature=0.8 if i % 3 == 0 else 0.0) for i, (_, n) in enumerate(reqs)]
+    batcher = ContinuousBatcher(staged, BatcherConfig(max_batch=4))
+    batcher._runner.prefill_graphs = PrefillGraphs(capture=False)
+    with batcher:
+        doomed = batcher.submit(reqs[0][0], DecodeConfig(max_new_tokens=200, stop_on_eos=False))
+        streams = [batcher.submit(ids, config) for (ids, _), config in zip(reqs, configs)]
+        next(iter(doomed))
+        doomed.cancel()
+        results = [s.result(timeout=120) for s in streams]
+        assert doomed.result(timeout=120).finish_reason == "cancelled"
+        assert batcher.running == 0 and batcher.waiting == 0
+    for (ids, _), config, result in zip(reqs, configs, results):
+        alone = exact.generate(ids, config)
+        assert (result.token_ids, result.finish_reason) == (alone.token_ids, alone.finish_reason)
+    assert all(lane.staging is not None for lane in batcher._lanes.values())
+    assert sum(pending_at_read) >= 5  # steps ran while a request was being prefilled
+
+
 def test_greedy_and_seeded_sampled_requests_share_a_batch(decoder):
     reqs = requests(2, 6)
     configs = [DecodeConfig(max_new_tokens=n, temperature=0.0 if i % 2 else 0.9, top_p=1.0 if i % 3 else 0.8,

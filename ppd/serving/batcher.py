@@ -6,7 +6,10 @@ of the state's first rows, so graphs captured for a bucket stay valid). Between 
 
 1. drops finished and cancelled requests, moving the last running row into each freed row, so the
    running rows stay packed at the front and the bucket shrinks as the batch does;
-2. admits waiting requests into free rows, each with its own prefill into its row of the cache;
+2. admits waiting requests into free rows, each with its own prefill into its row of the cache. Where
+   prefills replay CUDA graphs (a GPU), a joining request is prefilled alone in a one-row staging state on a
+   side stream while the running rows go on stepping, and its row is copied into the batch once that prefill
+   has run: the running rows wait for the copy only, not for the prefill (``_Lane.advance_admissions``);
 3. runs one step for the bucket: the PPD tree step with the tree the decoder's batch policy names for
    that bucket, or the one-row step where the policy says speculation does not pay. On a GPU the thread
    runs one step ahead, as ``decoding.loop.decode`` does: it queues the next step before it reads the last
@@ -22,6 +25,7 @@ alternate.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
 import threading
@@ -139,7 +143,8 @@ class ContinuousBatcher:
     @property
     def running(self) -> int:
         """Requests decoding now (taken from the queue, not yet finished)."""
-        return self._admitting + sum(not row.done for lane in list(self._lanes.values()) for row in list(lane.rows))
+        return self._admitting + sum(len(lane.admitting_streams()) + sum(not row.done for row in list(lane.rows))
+                                     for lane in list(self._lanes.values()))
 
     @property
     def cache_bytes(self) -> int:
@@ -188,7 +193,7 @@ class ContinuousBatcher:
             while True:
                 with self._cond:
                     while not self._closed and not self._waiting and not any(
-                            lane.rows for lane in self._lanes.values()):
+                            lane.busy for lane in self._lanes.values()):
                         self._cond.wait()
                     if self._closed:
                         break
@@ -200,6 +205,7 @@ class ContinuousBatcher:
                     self._lanes[method].admit(pending)
                     self._admitting -= len(pending)
                 for lane in list(self._lanes.values()):
+                    lane.advance_admissions()
                     if lane.rows:
                         lane.step()
         except BaseException as error:  # noqa: BLE001 - every request must learn that the engine died
@@ -218,9 +224,13 @@ class ContinuousBatcher:
                     pending.stream._finish("cancelled", error=closed)
                 self._waiting.clear()
             for lane in self._lanes.values():
+                for stream in lane.admitting_streams():
+                    stream._finish("cancelled", error=closed)
                 for row in lane.rows:
                     row.stream._finish("cancelled", error=closed)
                 lane.rows.clear()
+                lane.joining.clear()
+                lane.flight = None
 
     def _take_joining(self) -> dict[DecodeMethod, list["_Pending"]]:
         """Waiting requests that fit their lane's free rows, in arrival order (called under the lock);
@@ -232,7 +242,7 @@ class ContinuousBatcher:
                 pending.stream._push([], 0, "cancelled", counts_as_step=False)
                 continue
             method = pending.config.method
-            free = self.config.max_batch - (len(self._lanes[method].rows) if method in self._lanes else 0)
+            free = self.config.max_batch - (self._lanes[method].occupied if method in self._lanes else 0)
             if len(joining.get(method, [])) < free:
                 joining.setdefault(method, []).append(pending)
                 self._lane(method)
@@ -247,6 +257,14 @@ class _Pending:
     stream: Stream
     ids: list[int]
     config: DecodeConfig
+
+
+@dataclass
+class _Flight:
+    """A joining request whose prefill in the staging row is queued: its report's download says when it has run."""
+
+    pending: _Pending
+    report: Download
 
 
 @dataclass
@@ -266,6 +284,10 @@ class _Lane:
     rows: list[_Row] = field(default_factory=list)
     # Steps queued whose reports are not read yet, each with the rows it ran (in their order then).
     queued: collections.deque = field(default_factory=collections.deque)
+    # With a staging row: requests taken from the queue for this lane and not prefilled yet, and the one whose
+    # prefill in the staging row is under way (its row not copied into the batch yet).
+    joining: collections.deque = field(default_factory=collections.deque)
+    flight: "_Flight | None" = None
 
     def __post_init__(self) -> None:
         decoder = self.batcher.decoder
@@ -279,6 +301,26 @@ class _Lane:
         graphs = self.batcher._runner.prefill_graphs
         self.staging: DecodeState | None = (decoder._new_state(1) if graphs is not None
                                             and not self.batcher._compiled_prefill else None)
+        # On a GPU the staging row's prefills run on a stream of their own, beside the running rows' steps; the
+        # event says when the last row copied out of the staging state has been copied (it may be written again).
+        self.side: torch.cuda.Stream | None = (torch.cuda.Stream(decoder.device) if self.staging is not None
+                                               and decoder.device.type == "cuda" else None)
+        self._staging_free: torch.cuda.Event | None = None
+
+    @property
+    def busy(self) -> bool:
+        """Whether the lane has rows running or requests joining."""
+        return bool(self.rows or self.joining or self.flight is not None)
+
+    @property
+    def occupied(self) -> int:
+        """The rows its running and joining requests take (or will)."""
+        return len(self.rows) + len(self.joining) + (self.flight is not None)
+
+    def admitting_streams(self) -> list[Stream]:
+        """The streams of the requests joining this lane (not in a row yet)."""
+        flight = self.flight
+        return [p.stream for p in list(self.joining)] + ([flight.pending.stream] if flight is not None else [])
 
     @property
     def advance(self) -> int:
@@ -330,8 +372,12 @@ class _Lane:
                 self.prefill_alone([0] * length, DecodeConfig(max_new_tokens=1, stop_on_eos=False))
 
     def admit(self, joining: list[_Pending]) -> None:
-        """Prefill the joining requests into the rows after the running ones: together, or, with a staging row
-        (prefills replayed from graphs), one by one, each row then copied into the batch."""
+        """Take the joining requests into the rows after the running ones. Without a staging row they are
+        prefilled there together, now; with one (prefills replayed from graphs) they join one by one through it
+        (:meth:`advance_admissions`)."""
+        if self.staging is not None:
+            self.joining.extend(joining)
+            return
         decoder = self.batcher.decoder
         self.drain()
         start = len(self.rows)
@@ -339,26 +385,72 @@ class _Lane:
             for pending in joining:
                 pending.stream._started_now()
             view = self.state.rows(start, start + len(joining))
-            if self.staging is not None:
-                if not self.state.kv.allocated:
-                    self.allocate()
-                for i, pending in enumerate(joining):  # every per-row buffer comes from the staging row
-                    self.prefill_alone(pending.ids, pending.config)
-                    self.state.kv.reserve(len(pending.ids))
-                    self.state.copy_row_from(self.staging, 0, start + i, len(pending.ids))
-            else:
-                for i, pending in enumerate(joining):
-                    # Reset alone, as a request of one row: its seed (and so its samples) are those it has alone.
-                    reset_rows(decoder, self.state.rows(start + i, start + i + 1), [len(pending.ids)],
-                               pending.config)
-                kind = StepKind.of(False, [p.config for p in joining])
-                prefill(decoder, [p.ids for p in joining], view, self.use_ppd, kind, self.batcher._compiled_prefill)
+            for i, pending in enumerate(joining):
+                # Reset alone, as a request of one row: its seed (and so its samples) are those it has alone.
+                reset_rows(decoder, self.state.rows(start + i, start + i + 1), [len(pending.ids)], pending.config)
+            kind = StepKind.of(False, [p.config for p in joining])
+            prefill(decoder, [p.ids for p in joining], view, self.use_ppd, kind, self.batcher._compiled_prefill)
             report = view.report.tolist()
         self.batcher.steps_run += 1
         for pending, line in zip(joining, report):
             row = _Row(pending.stream, pending.config)
             self.rows.append(row)
             self._deliver(row, line, counts_as_step=False)
+        self._remove_finished()
+
+    def advance_admissions(self) -> None:
+        """With a staging row: copy the request whose prefill there has run into the batch, and start the next
+        joining request's prefill. While rows run (on a GPU), the prefill runs on the side stream and this returns
+        at once, to be called again after the next step; with no row running, each admission is waited for."""
+        if self.staging is None:
+            return
+        while True:
+            if self.flight is not None:
+                if self.rows and not self.flight.report.ready():
+                    return
+                self._join(self.flight)
+            if not self.joining:
+                return
+            pending = self.joining.popleft()
+            if pending.stream.cancelled:
+                pending.stream._push([], 0, "cancelled", counts_as_step=False)
+                continue
+            self.flight = self._launch(pending)
+
+    def _launch(self, pending: _Pending) -> "_Flight":
+        """Queue the request's prefill in the staging row (on the side stream, once the last row copied out of it
+        has been) and the download of its report."""
+        pending.stream._started_now()
+        with torch.no_grad():
+            if not self.state.kv.allocated:
+                self.allocate()
+            if self.side is not None:  # after the warm-up's (or allocation's) prefills, then after the last copy
+                if self._staging_free is None:
+                    self.side.wait_stream(torch.cuda.current_stream(self.side.device))
+                else:
+                    self.side.wait_event(self._staging_free)
+            with torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext():
+                self.prefill_alone(pending.ids, pending.config)
+                return _Flight(pending, Download(self.staging.report[:1]))
+
+    def _join(self, flight: "_Flight") -> None:
+        """Copy the staging row of a prefill that has run into the row after the running ones (queued after the
+        steps before it, so it overwrites whatever they left in that padding row), and give the request its first
+        token."""
+        self.flight = None
+        pending, length = flight.pending, len(flight.pending.ids)
+        with torch.no_grad():
+            flight.report.order_after()
+            self.state.kv.reserve(length)
+            self.state.copy_row_from(self.staging, 0, len(self.rows), length)  # every per-row buffer, the cache
+            if self.side is not None:
+                self._staging_free = torch.cuda.Event()
+                self._staging_free.record()
+        line = flight.report.wait()[0].tolist()
+        self.batcher.steps_run += 1
+        row = _Row(pending.stream, pending.config)
+        self.rows.append(row)
+        self._deliver(row, line, counts_as_step=False)
         self._remove_finished()
 
     def step(self) -> None:
@@ -379,6 +471,7 @@ class _Lane:
             batcher.batch_steps += 1
             # The rows as they stand when the step is queued: removals move rows before its report is read.
             self.queued.append((Download(view.report[:n]), list(self.rows)))
+        self.advance_admissions()  # a prefill started now runs beside the steps just queued
         self._read_step()
         if not self.rows:  # a step queued after the last row stopped changed nothing a row reports
             self.queued.clear()
