@@ -22,3 +22,13 @@ def upload(values, device: torch.device | str, dtype: torch.dtype | None = None)
     if device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def upload_into(buffer: torch.Tensor, values) -> None:
+    """Copy ``values`` (numbers, or a host tensor of ``buffer``'s shape) into the device tensor ``buffer`` without
+    waiting for the device (as :func:`upload`; on a CPU a plain copy)."""
+    tensor = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=buffer.dtype)
+    if buffer.device.type != "cuda" or tensor.device.type != "cpu":
+        buffer.copy_(tensor)
+        return
+    buffer.copy_(tensor.to(buffer.dtype).pin_memory(), non_blocking=True)

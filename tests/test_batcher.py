@@ -114,6 +114,41 @@ def test_requests_join_through_the_staging_row_while_the_batch_runs_ahead(monkey
     assert sum(pending_at_read) >= 5  # steps ran while a request was being prefilled
 
 
+def test_a_whole_row_copy_grouped_by_dtype_leaves_what_the_sliced_copy_leaves(decoder, monkeypatch):
+    """A GPU copies a row (a joining request's from the staging state, or a row moved into a freed one) whole, in
+    one foreach copy per dtype, from views made once per row. Here (the same code on the CPU) it leaves every
+    per-row buffer and every layer's first ``length`` slots as the row-by-row copy of those slots does, into a
+    state of several rows and within it, and the views follow the cache when it grows."""
+    from ppd.decoding.loop import prefill, reset_rows
+    from ppd.decoding.step import StepKind
+
+    def filled(rows: int, prompts):
+        state = decoder._new_state(rows)
+        reset_rows(decoder, state, [len(p) for p in prompts], DecodeConfig(max_new_tokens=9, seed=4))
+        prefill(decoder, prompts, state, True, StepKind(tree=False))
+        return state
+
+    prompts = [[3, 9, 4, 1, 7], [8, 2, 6]]
+    source = filled(2, prompts)
+    sliced, whole = filled(3, [[5] * 4] * 3), filled(3, [[5] * 4] * 3)
+    sliced.copy_row_from(source, 1, 2, 3)
+    sliced.move_row(2, 0, 3)
+    monkeypatch.setattr(whole, "device", torch.device("cuda"))  # the GPU's path (its tensors stay on the CPU)
+    copies = []
+    real = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda into, out_of: (copies.append(len(into)), real(into, out_of)))
+    whole.copy_row_from(source, 1, 2, 3)
+    whole.move_row(2, 0, 3)
+    assert copies and sum(copies) == 2 * (len(whole.row_names()) + len(whole.kv.buffers()))
+    for name in whole.row_names():
+        assert torch.equal(getattr(whole, name), getattr(sliced, name)), name
+    for a, b in zip(whole.kv.buffers(), sliced.kv.buffers()):
+        assert torch.equal(a[[0, 2], :, :3], b[[0, 2], :, :3]) and torch.equal(a[1], b[1])
+    whole.kv.reserve(whole.capacity)  # the cache grows: new buffers, new views
+    views, layers = whole._row_views(2), whole.kv.buffers()
+    assert all(v.data_ptr() == b[2].data_ptr() and v.shape == b[2].shape for v, b in zip(views[-len(layers):], layers))
+
+
 def test_greedy_and_seeded_sampled_requests_share_a_batch(decoder):
     reqs = requests(2, 6)
     configs = [DecodeConfig(max_new_tokens=n, temperature=0.0 if i % 2 else 0.9, top_p=1.0 if i % 3 else 0.8,
@@ -353,6 +388,42 @@ def test_captured_continuous_batch_equals_alone_on_the_gpu(mode):
             assert result.token_ids == decoder.generate(ids, config).token_ids
         else:
             assert 1 <= result.new_tokens <= n
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_joining_requests_prefill_never_waits_for_the_device_on_the_gpu(monkeypatch):
+    """The staging row's prefill is queued on the side stream while the running rows step: reset, uploads, the
+    graph's replay, the first token and guesses, the prompt's lookup history, the report's download. Had any of it
+    waited for the device (a copy from ordinary host memory, a read back), the batcher's thread would stall the
+    running rows for the whole prefill; torch's sync debug mode, set to raise, finds any such wait. Requests joining
+    a running batch (a lookup chain in the trees, so the history is written) still decode what they do alone."""
+    from dataclasses import replace
+
+    from ppd.serving import batcher as batching
+
+    launch = batching._Lane._launch
+    launches = []
+
+    def checked(lane, pending):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(lane, pending)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            launches.append(bool(lane.rows))
+
+    monkeypatch.setattr(batching._Lane, "_launch", checked)
+    model = tiny_model(seed=3).cuda()
+    chained = replace(random_tree_set(seed=7, size=12), lookup=4)
+    decoder = Decoder(model, random_prompt_tokens(model, 3, 1, seed=3), chained, eos_token_ids=[5], max_seq_len=300)
+    reqs = requests(7, 10)
+    with ContinuousBatcher(decoder, BatcherConfig(max_batch=4, capture="graph")) as batcher:
+        batcher.warmup()
+        streams = [batcher.submit(ids, DecodeConfig(max_new_tokens=n, capture="graph")) for ids, n in reqs]
+        results = [s.result(timeout=300) for s in streams]
+    for (ids, n), result in zip(reqs, results):
+        assert result.token_ids == decoder.generate(ids, DecodeConfig(max_new_tokens=n, capture="graph")).token_ids
+    assert any(launches)  # a prefill was launched while rows ran
 
 
 def test_a_tree_runs_only_within_the_policys_widest_attention(monkeypatch):

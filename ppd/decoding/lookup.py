@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from ..uploads import upload
+
 MAX_NGRAM = 3  # the longest ending of the text that is looked up (then shorter ones, down to one token)
 
 
@@ -29,8 +31,9 @@ def start(history: torch.Tensor, prompts: list[list[int]], root: torch.Tensor) -
     rows = torch.zeros(n, longest + 1, dtype=torch.long)
     for b, prompt in enumerate(prompts):
         rows[b, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-    history[:n, : longest + 1] = rows.to(history.device)
-    lengths = torch.tensor([len(p) for p in prompts], device=history.device)
+    # (uploaded without waiting for the device: a joining request's prefill runs beside the running rows' steps)
+    history[:n, : longest + 1] = upload(rows, history.device)
+    lengths = upload([len(p) for p in prompts], history.device, torch.long)
     history[:n].scatter_(1, lengths[:, None], root[:n, None])
 
 

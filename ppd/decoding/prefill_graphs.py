@@ -29,6 +29,7 @@ import torch
 
 from ..attention import plan_free_sdpa
 from ..prefill import PrefillPlan, plan_prefill, prefill_inputs
+from ..uploads import upload_into
 
 logger = logging.getLogger(__name__)
 
@@ -103,9 +104,9 @@ class PrefillGraphs:
             if found is None:
                 return None
             self._graphs[key] = found
-        for name in PLAN_FIELDS:
-            found.inputs[name].copy_(getattr(plan, name), non_blocking=True)
-        found.inputs["read"].copy_(plan.keep[plan.where], non_blocking=True)
+        for name in PLAN_FIELDS:  # from pinned memory: the host does not wait for the device
+            upload_into(found.inputs[name], getattr(plan, name))
+        upload_into(found.inputs["read"], plan.keep[plan.where])
         if table is not None:
             found.table.copy_(table)
         if found.graph is None:

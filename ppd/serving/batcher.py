@@ -205,7 +205,8 @@ class ContinuousBatcher:
                     self._lanes[method].admit(pending)
                     self._admitting -= len(pending)
                 for lane in list(self._lanes.values()):
-                    lane.advance_admissions()
+                    if not lane.rows:  # else the step starts admissions once its next step is queued
+                        lane.advance_admissions()
                     if lane.rows:
                         lane.step()
         except BaseException as error:  # noqa: BLE001 - every request must learn that the engine died
