@@ -21,8 +21,9 @@ class Download:
         if tensor.device.type == "cuda":
             self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             self._host.copy_(tensor, non_blocking=True)
+            self._device = tensor.device
             self._event = torch.cuda.Event()
-            self._event.record()
+            self._event.record(torch.cuda.current_stream(tensor.device))  # the stream the copy went to
         else:
             self._host = tensor.clone()
 
@@ -34,7 +35,7 @@ class Download:
         """Make the current stream's later work wait for the copy, and so for everything queued before it on its
         own stream (the host does not wait)."""
         if self._event is not None:
-            torch.cuda.current_stream().wait_event(self._event)
+            torch.cuda.current_stream(self._device).wait_event(self._event)
 
     def wait(self) -> torch.Tensor:
         """The host tensor, once the copy has run (waits for nothing queued after it)."""

@@ -143,7 +143,7 @@ class ContinuousBatcher:
     @property
     def running(self) -> int:
         """Requests decoding now (taken from the queue, not yet finished)."""
-        return self._admitting + sum(len(lane.admitting_streams()) + sum(not row.done for row in list(lane.rows))
+        return self._admitting + sum(lane.occupied - len(lane.rows) + sum(not row.done for row in list(lane.rows))
                                      for lane in list(self._lanes.values()))
 
     @property
@@ -315,7 +315,7 @@ class _Lane:
 
     @property
     def occupied(self) -> int:
-        """The rows its running and joining requests take (or will)."""
+        """The rows its running and joining requests take (or will); safe to read from another thread."""
         return len(self.rows) + len(self.joining) + (self.flight is not None)
 
     def admitting_streams(self) -> list[Stream]:
@@ -446,7 +446,7 @@ class _Lane:
             self.state.copy_row_from(self.staging, 0, len(self.rows), length)  # every per-row buffer, the cache
             if self.side is not None:
                 self._staging_free = torch.cuda.Event()
-                self._staging_free.record()
+                self._staging_free.record(torch.cuda.current_stream(self.side.device))
         line = flight.report.wait()[0].tolist()
         self.batcher.steps_run += 1
         row = _Row(pending.stream, pending.config)
