@@ -87,6 +87,9 @@ def make_parser() -> argparse.ArgumentParser:
                        help="how a request that does not name a method decodes (default: %(default)s)")
     group.add_argument("--served_model_name", default=None,
                        help="the model's name in the API (default: the loaded model's id)")
+    group.add_argument("--prefill_in_line", action="store_true",
+                       help="queue a joining request's prefill on the running rows' stream, between two of their "
+                            "steps, instead of on a side stream beside them (GPU; for comparison)")
     group.add_argument("--switch_interval_ms", type=float, default=None,
                        help="the interpreter's thread switch interval (sys.setswitchinterval): the batcher's thread "
                             "shares the interpreter lock with the HTTP event loop, and after each wait for the device "
@@ -439,7 +442,8 @@ def main(argv: list[str] | None = None) -> int:
         args.max_batch = 64 if loaded.decoder.device.type == "cuda" else 4
     model_id = args.served_model_name or loaded.info.model_id
     batcher = ContinuousBatcher(loaded.decoder, BatcherConfig(max_batch=args.max_batch, max_queue=args.max_queue,
-                                                              capture=args.capture))
+                                                              capture=args.capture,
+                                                              prefill_beside=not args.prefill_in_line))
     try:
         if batcher.mode is not CaptureMode.EAGER:
             # Minutes on a GPU (each step kind compiled, every bucket captured): say each graph as it is made.
@@ -456,6 +460,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.switch_interval_ms is not None:
             sys.setswitchinterval(args.switch_interval_ms / 1e3)
             print(f"thread switch interval {sys.getswitchinterval() * 1e3:g} ms", flush=True)
+        if not batcher.config.prefill_beside:
+            print("joining requests prefill on the running rows' stream (--prefill_in_line)", flush=True)
         batcher.start()
         app = create_app(batcher, loaded.tokenizer, model_id, api_key=args.api_key, default_method=args.method)
         if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:

@@ -391,9 +391,11 @@ def test_captured_continuous_batch_equals_alone_on_the_gpu(mode):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_a_joining_requests_prefill_never_waits_for_the_device_on_the_gpu(monkeypatch):
-    """The staging row's prefill is queued on the side stream while the running rows step: reset, uploads, the
-    graph's replay, the first token and guesses, the prompt's lookup history, the report's download. Had any of it
+@pytest.mark.parametrize("beside", [True, False])
+def test_a_joining_requests_prefill_never_waits_for_the_device_on_the_gpu(monkeypatch, beside):
+    """The staging row's prefill is queued on the side stream while the running rows step (or, with
+    ``prefill_beside`` off, on their stream between two steps): reset, uploads, the graph's replay, the first token
+    and guesses, the prompt's lookup history, the report's download. Had any of it
     waited for the device (a copy from ordinary host memory, a read back), the batcher's thread would stall the
     running rows for the whole prefill; torch's sync debug mode, set to raise, finds any such wait. Requests joining
     a running batch (a lookup chain in the trees, so the history is written) still decode what they do alone."""
@@ -417,7 +419,8 @@ def test_a_joining_requests_prefill_never_waits_for_the_device_on_the_gpu(monkey
     chained = replace(random_tree_set(seed=7, size=12), lookup=4)
     decoder = Decoder(model, random_prompt_tokens(model, 3, 1, seed=3), chained, eos_token_ids=[5], max_seq_len=300)
     reqs = requests(7, 10)
-    with ContinuousBatcher(decoder, BatcherConfig(max_batch=4, capture="graph")) as batcher:
+    with ContinuousBatcher(decoder, BatcherConfig(max_batch=4, capture="graph", prefill_beside=beside)) as batcher:
+        assert (batcher._lane(batching.DecodeMethod.PPD).side is not None) == beside
         batcher.warmup()
         streams = [batcher.submit(ids, DecodeConfig(max_new_tokens=n, capture="graph")) for ids, n in reqs]
         results = [s.result(timeout=300) for s in streams]

@@ -363,7 +363,8 @@ def test_a_full_queue_answers_429(real_model, decoder, model_id):
 def test_the_program_serves_until_interrupted(model_id):
     env = {k: v for k, v in os.environ.items() if k != serve.API_KEY_ENV}
     command = [sys.executable, "-m", "application.serve", "--device", "cpu", "--port", "0", "--max_batch", "2",
-               "--max_seq_len", "256", "--served_model_name", "smol", "--api_key", "k", "--switch_interval_ms", "0.5"]
+               "--max_seq_len", "256", "--served_model_name", "smol", "--api_key", "k", "--switch_interval_ms", "0.5",
+               "--prefill_in_line"]
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True)
     lines: queue.Queue = queue.Queue()
@@ -379,6 +380,7 @@ def test_the_program_serves_until_interrupted(model_id):
             if line.startswith("ppd serving smol on http://127.0.0.1:"):
                 url = line.split(" on ")[1].strip()
         assert "thread switch interval 0.5 ms\n" in output
+        assert "joining requests prefill on the running rows' stream (--prefill_in_line)\n" in output
         key = {"Authorization": "Bearer k"}
         assert httpx.get(f"{url}/health").json() == {"status": "ok"}
         assert [m["id"] for m in httpx.get(f"{url}/v1/models", headers=key).json()["data"]] == ["smol"]

@@ -55,6 +55,9 @@ class BatcherConfig:
     max_batch: int = 64  # rows of each lane's state: requests that decode at once
     max_queue: int = 256  # requests that may wait for a row; past that ``submit`` raises QueueFullError
     capture: CaptureMode = CaptureMode.AUTO
+    # Where prefills replay graphs on a GPU: a joining request's prefill runs on a side stream, beside the running
+    # rows' steps; False queues it on their stream, between two steps (the host waits for neither; for comparison).
+    prefill_beside: bool = True
 
     def __post_init__(self) -> None:
         self.capture = CaptureMode(self.capture)
@@ -305,7 +308,8 @@ class _Lane:
         # On a GPU the staging row's prefills run on a stream of their own, beside the running rows' steps; the
         # event says when the last row copied out of the staging state has been copied (it may be written again).
         self.side: torch.cuda.Stream | None = (torch.cuda.Stream(decoder.device) if self.staging is not None
-                                               and decoder.device.type == "cuda" else None)
+                                               and decoder.device.type == "cuda"
+                                               and self.batcher.config.prefill_beside else None)
         self._staging_free: torch.cuda.Event | None = None
 
     @property

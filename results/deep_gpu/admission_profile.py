@@ -225,6 +225,8 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", action="store_true",
                         help="torch's profiler over 10 admissions more (their operators' host time, the kernels' "
                              "device time)")
+    parser.add_argument("--in_line", action="store_true",
+                        help="prefill joining requests on the running rows' stream (BatcherConfig.prefill_beside off)")
     parser.add_argument("--output", required=True)
     args = parser.parse_args(argv)
     if args.max_batch < 2:
@@ -233,7 +235,8 @@ def main(argv=None) -> int:
     decoder, tokenizer = loaded.decoder, loaded.tokenizer
     questions = load_benchmark("mt_bench")
     ids_list = [chat_input_ids(tokenizer, [{"role": "user", "content": q.turns[0]}]) for q in questions]
-    batcher = ContinuousBatcher(decoder, BatcherConfig(max_batch=args.max_batch, capture=args.capture))
+    batcher = ContinuousBatcher(decoder, BatcherConfig(max_batch=args.max_batch, capture=args.capture,
+                                                       prefill_beside=not args.in_line))
     if batcher._runner.prefill_graphs is None or batcher._compiled_prefill:
         parser.error("requests join through the staging row only where prefills replay CUDA graphs: a GPU, a "
                      "--capture that captures steps, and PPD_COMPILED_PREFILL unset")
@@ -247,7 +250,8 @@ def main(argv=None) -> int:
             run_admissions(batcher, ids_list, method, 3)  # untimed: the running rows settle in
             with AdmissionClock(decoder.device, args.sync) as clock:
                 run_admissions(batcher, ids_list, method, args.admissions)
-            row = {"method": method, "max_batch": args.max_batch, "sync": args.sync, **clock.summary(skip=2)}
+            row = {"method": method, "max_batch": args.max_batch, "sync": args.sync, "in_line": args.in_line,
+                   **clock.summary(skip=2)}
             if args.profile:
                 from torch.profiler import ProfilerActivity, profile
                 activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if decoder.device.type == "cuda"

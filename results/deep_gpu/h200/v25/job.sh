@@ -7,7 +7,8 @@
 # in one foreach copy per dtype. In the order they matter, each logged as it ends (the lease may stop early):
 # (1) the GPU tests of the batcher: a launch never waits for the device (sync debug mode set to raise), and the
 #     captured batch equals each request alone;
-# (2) the server at 16, 4 and 1 clients as in v24 (buckets up to 16), read by admission_gaps.py;
+# (2) the server at 16, 4 and 1 clients as in v24 (buckets up to 16), read by admission_gaps.py; then at 16 with
+#     --prefill_in_line (each prefill on the running rows' stream, between two steps), to time the side stream alone;
 # (3) the admission profile of the new flow (launch and join, the steps beside a prefill in flight);
 # (4) the server at 64 clients (buckets up to 64); decoder throughput in static batches and through the batcher.
 set -u
@@ -23,6 +24,12 @@ S="$E --max_seq_len 1024"
     --output $R/load16.json --plot $R/load16.png > $R/logs/load16.log 2>&1; echo "rc $?"
   grep -E "^\|" $R/logs/load16.log | head -10
   python results/deep_gpu/admission_gaps.py $R/load16.json --output $R/admission_gaps16.json
+  # the same, each prefill queued on the running rows' stream instead of beside them (same machine, same run)
+  t load16_in_line; timeout 400 python -m eval.load --launch --model smollm2-135m-instruct \
+    --server_args="$S --max_batch 16 --prefill_in_line" --clients 16 --methods ppd baseline --bench mt_bench \
+    --max_tokens 256 --output $R/load16_in_line.json > $R/logs/load16_in_line.log 2>&1; echo "rc $?"
+  grep -E "^\|" $R/logs/load16_in_line.log | head -4
+  python results/deep_gpu/admission_gaps.py $R/load16_in_line.json --output $R/admission_gaps16_in_line.json
   t admission; timeout 400 python results/deep_gpu/admission_profile.py $S --max_batch 16 --admissions 40 \
     --output $R/admission.json > $R/logs/admission.log 2>&1; echo "rc $?"; grep -E "^(ppd|baseline):" $R/logs/admission.log
   timeout 300 python results/deep_gpu/admission_profile.py $S --max_batch 16 --admissions 40 --sync --profile \
