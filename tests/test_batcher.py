@@ -28,6 +28,25 @@ def chunks_of(stream):
     return [(chunk.tokens, chunk.finish_reason) for chunk in stream]
 
 
+def decode_a_mix_with_a_cancel(batcher, alone_decoder, seed: int) -> None:
+    """Through ``batcher``: a long request, cancelled after its first chunk, and 14 greedy and seeded sampled requests,
+    PPD and the baseline, which must decode what they decode alone on ``alone_decoder``."""
+    reqs = requests(seed, 14)
+    configs = [DecodeConfig(method="baseline" if i % 5 == 2 else "ppd", max_new_tokens=n, seed=i,
+                            temperature=0.8 if i % 3 == 0 else 0.0) for i, (_, n) in enumerate(reqs)]
+    with batcher:
+        doomed = batcher.submit(reqs[0][0], DecodeConfig(max_new_tokens=200, stop_on_eos=False))
+        streams = [batcher.submit(ids, config) for (ids, _), config in zip(reqs, configs)]
+        next(iter(doomed))
+        doomed.cancel()
+        results = [s.result(timeout=120) for s in streams]
+        assert doomed.result(timeout=120).finish_reason == "cancelled"
+        assert batcher.running == 0 and batcher.waiting == 0
+    for (ids, _), config, result in zip(reqs, configs, results):
+        alone = alone_decoder.generate(ids, config)
+        assert (result.token_ids, result.finish_reason) == (alone.token_ids, alone.finish_reason)
+
+
 @pytest.mark.parametrize("method", ["ppd", "baseline"])
 def test_requests_joining_and_leaving_decode_what_they_decode_alone(decoder, method):
     reqs = requests(1, 9)
@@ -94,22 +113,9 @@ def test_requests_join_through_the_staging_row_while_the_batch_runs_ahead(monkey
     model = tiny_model(seed=3)
     tokens, trees = random_prompt_tokens(model, 3, 1, seed=3), random_tree_set(seed=7, size=12)
     staged, exact = (Decoder(model, tokens, trees, eos_token_ids=[5]) for _ in range(2))
-    reqs = requests(6, 14)
-    configs = [DecodeConfig(method="baseline" if i % 5 == 2 else "ppd", max_new_tokens=n, seed=i,
-                            temperature=0.8 if i % 3 == 0 else 0.0) for i, (_, n) in enumerate(reqs)]
     batcher = ContinuousBatcher(staged, BatcherConfig(max_batch=4))
     batcher._runner.prefill_graphs = PrefillGraphs(capture=False)
-    with batcher:
-        doomed = batcher.submit(reqs[0][0], DecodeConfig(max_new_tokens=200, stop_on_eos=False))
-        streams = [batcher.submit(ids, config) for (ids, _), config in zip(reqs, configs)]
-        next(iter(doomed))
-        doomed.cancel()
-        results = [s.result(timeout=120) for s in streams]
-        assert doomed.result(timeout=120).finish_reason == "cancelled"
-        assert batcher.running == 0 and batcher.waiting == 0
-    for (ids, _), config, result in zip(reqs, configs, results):
-        alone = exact.generate(ids, config)
-        assert (result.token_ids, result.finish_reason) == (alone.token_ids, alone.finish_reason)
+    decode_a_mix_with_a_cancel(batcher, exact, seed=6)
     assert all(lane.staging is not None for lane in batcher._lanes.values())
     assert sum(pending_at_read) >= 5  # steps ran while a request was being prefilled
 
@@ -194,20 +200,7 @@ def test_a_batcher_that_runs_ahead_decodes_what_requests_decode_alone(decoder, m
         read_step(lane)
 
     monkeypatch.setattr(batching._Lane, "_read_step", recorded)
-    reqs = requests(4, 14)
-    configs = [DecodeConfig(method="baseline" if i % 5 == 2 else "ppd", max_new_tokens=n, seed=i,
-                            temperature=0.8 if i % 3 == 0 else 0.0) for i, (_, n) in enumerate(reqs)]
-    with ContinuousBatcher(decoder, BatcherConfig(max_batch=4)) as batcher:
-        doomed = batcher.submit(reqs[0][0], DecodeConfig(max_new_tokens=200, stop_on_eos=False))
-        streams = [batcher.submit(ids, config) for (ids, _), config in zip(reqs, configs)]
-        next(iter(doomed))
-        doomed.cancel()
-        results = [s.result(timeout=120) for s in streams]
-        assert doomed.result(timeout=120).finish_reason == "cancelled"
-        assert batcher.running == 0 and batcher.waiting == 0
-    for (ids, _), config, result in zip(reqs, configs, results):
-        alone = decoder.generate(ids, config)
-        assert (result.token_ids, result.finish_reason) == (alone.token_ids, alone.finish_reason)
+    decode_a_mix_with_a_cancel(ContinuousBatcher(decoder, BatcherConfig(max_batch=4)), decoder, seed=4)
     assert max(depths) == 2  # a step was queued while the one before it had not been read
 
 

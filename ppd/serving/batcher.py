@@ -196,7 +196,7 @@ class ContinuousBatcher:
             while True:
                 with self._cond:
                     while not self._closed and not self._waiting and not any(
-                            lane.busy for lane in self._lanes.values()):
+                            lane.occupied for lane in self._lanes.values()):
                         self._cond.wait()
                     if self._closed:
                         break
@@ -311,11 +311,6 @@ class _Lane:
                                                and decoder.device.type == "cuda"
                                                and self.batcher.config.prefill_beside else None)
         self._staging_free: torch.cuda.Event | None = None
-
-    @property
-    def busy(self) -> bool:
-        """Whether the lane has rows running or requests joining."""
-        return bool(self.rows or self.joining or self.flight is not None)
 
     @property
     def occupied(self) -> int:
