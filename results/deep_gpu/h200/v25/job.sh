@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prepared in the twenty-seventh session for the next H200 lease (not run yet). Started by
+# Prepared in the twenty-seventh session, run in the twenty-eighth (README.md: the figures). Started by
 # results/deep_gpu/lease/launch.sh after the staging calls (../../lease/README.md); outputs in /root/res/v25.
 # v24 moved a joining request's prefill onto a side stream (the server at 16 clients: both methods +12-13%, still
 # 1.25x), but by the code its launch still waited for the device: the staging row's reset and the lookup history
