@@ -28,7 +28,10 @@ setup(
     ],
     extras_require={
         "train": ["peft>=0.13", "accelerate>=1.0", "bitsandbytes>=0.45", "datasets>=3.0"],
-        "app": ["gradio>=5.0", "fastapi>=0.110", "uvicorn>=0.29"],
+        # httptools and uvloop: uvicorn's C HTTP parser and event loop, which it picks where installed (the
+        # server's cost per streamed chunk, results/server_host/)
+        "app": ["gradio>=5.0", "fastapi>=0.110", "uvicorn>=0.29", "httptools>=0.6",
+                "uvloop>=0.19; sys_platform != 'win32'"],
         "eval": ["matplotlib>=3.7", "httpx>=0.27"],
         # triton: the split attention kernel's tests run it on CPU under Triton's interpreter
         "test": ["pytest>=8", "pytest-xdist>=3.5", "playwright>=1.40", "httpx>=0.27",

@@ -31,12 +31,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hmac
+import importlib.util
 import json
 import logging
 import os
 import secrets
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -90,6 +91,12 @@ def make_parser() -> argparse.ArgumentParser:
     group.add_argument("--prefill_in_line", action="store_true",
                        help="queue a joining request's prefill on the running rows' stream, between two of their "
                             "steps, instead of on a side stream beside them (GPU; for comparison)")
+    group.add_argument("--http", choices=["auto", "httptools", "h11"], default="auto",
+                       help="uvicorn's HTTP/1.1 implementation: httptools (C) or h11 (pure Python); auto: httptools "
+                            "where it is installed (default: %(default)s)")
+    group.add_argument("--loop", choices=["auto", "uvloop", "asyncio"], default="auto",
+                       help="the event loop: uvloop (C) or asyncio's own; auto: uvloop where it is installed "
+                            "(default: %(default)s)")
     group.add_argument("--switch_interval_ms", type=float, default=None,
                        help="the interpreter's thread switch interval (sys.setswitchinterval): the batcher's thread "
                             "shares the interpreter lock with the HTTP event loop, and after each wait for the device "
@@ -98,6 +105,16 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------------------------------------- text
+def text_decoder(tokenizer) -> Callable[[list[int]], str]:
+    """Token ids to text without special tokens, as ``tokenizer.decode`` gives it. A fast tokenizer that cleans
+    no spaces up afterwards decodes through its Rust tokenizer directly: the same text without the Python
+    wrapper's few microseconds, which a server pays twice for every chunk it streams."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+        return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
 class TextDeltas:
     """A request's tokens as the text to send: after each chunk, the new text that can no longer change.
 
@@ -110,6 +127,7 @@ class TextDeltas:
 
     def __init__(self, tokenizer, stop: Sequence[str] = ()):
         self.tokenizer = tokenizer
+        self._decode = text_decoder(tokenizer)
         self.stop = [s for s in stop if s]
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.ids: list[int] = []
@@ -136,9 +154,7 @@ class TextDeltas:
         return delta
 
     def _advance(self, final: bool) -> None:
-        def decode(ids):
-            return self.tokenizer.decode(ids, skip_special_tokens=True)
-
+        decode = self._decode
         context, text = decode(self.ids[self._prefix:self._read]), decode(self.ids[self._prefix:])
         if not text.startswith(context):  # the new tokens changed how the context decodes: decode it all
             context, text = self.decoded, decode(self.ids)
@@ -236,18 +252,20 @@ class Service:
 
     # ------------------------------------------------------------------ answers
     async def pieces(self, stream, text: TextDeltas) -> AsyncIterator[tuple[str, str | None]]:
-        """``(new text, OpenAI finish reason or None)`` per chunk of ``stream``, read to its end. A stop string
-        cancels the request; the chunks that still come until the batcher drops it are read and ignored, so
-        that the stream's completion (and its statistics) is there when this ends."""
-        async for chunk in stream:
+        """``(new text, OpenAI finish reason or None)`` per read of ``stream`` (every chunk that has arrived: one
+        when the server keeps up, several steps' when it falls behind), to its end. A stop string cancels the
+        request; the chunks that still come until the batcher drops it are read and ignored, so that the
+        stream's completion (and its statistics) is there when this ends."""
+        async for batch in stream.batches():
             if text.stopped:
                 continue
-            delta = text.push(chunk.tokens, final=chunk.finish_reason is not None)
+            finish = batch[-1].finish_reason  # only a stream's last chunk has one
+            delta = text.push([t for chunk in batch for t in chunk.tokens], final=finish is not None)
             if text.stopped:
                 stream.cancel()
                 yield delta, "stop"
-            elif chunk.finish_reason is not None:
-                yield delta, FINISH_REASONS.get(chunk.finish_reason, chunk.finish_reason)
+            elif finish is not None:
+                yield delta, FINISH_REASONS.get(finish, finish)
             elif delta:
                 yield delta, None
 
@@ -425,6 +443,18 @@ class ReadyServer(uvicorn.Server):
             print(f"ppd serving {self.model_id} on http://{host}:{port}", flush=True)
 
 
+def server_stack(http: str, loop: str) -> tuple[str, str]:
+    """The HTTP implementation and event loop uvicorn runs (``auto``: the C ones where installed). Each
+    streamed chunk costs the server's one thread the HTTP framing, the socket write and the loop's wake-up,
+    so at many clients these set how fast tokens leave (``results/server_host/``)."""
+    found = {name: importlib.util.find_spec(name) is not None for name in ("httptools", "uvloop")}
+    if http == "auto":
+        http = "httptools" if found["httptools"] else "h11"
+    if loop == "auto":
+        loop = "uvloop" if found["uvloop"] else "asyncio"
+    return http, loop
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
@@ -436,6 +466,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--max_queue must be >= 0, not {args.max_queue}")
     if args.switch_interval_ms is not None and not args.switch_interval_ms > 0:
         parser.error(f"--switch_interval_ms must be > 0, not {args.switch_interval_ms}")
+    for flag, package in (("--http", "httptools"), ("--loop", "uvloop")):
+        if getattr(args, flag[2:]) == package and importlib.util.find_spec(package) is None:
+            parser.error(f"{flag} {package} needs the {package} package (pip install {package})")
 
     loaded = load_decoder_or_exit(args)
     if args.max_batch is None:
@@ -467,7 +500,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
             print(f"warning: serving on {args.host} without an API key: anyone who can reach it can use it "
                   f"(--api_key or ${API_KEY_ENV})", file=sys.stderr)
-        config = uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=5)
+        http, loop = server_stack(args.http, args.loop)
+        print(f"HTTP: {http}, event loop: {loop}", flush=True)
+        config = uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=5, http=http,
+                                loop=loop)
         ReadyServer(config, model_id).run()
     except KeyboardInterrupt:  # uvicorn shuts down on Ctrl-C, then raises it again once it is done
         pass

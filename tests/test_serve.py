@@ -5,6 +5,7 @@ and ``python -m application.serve`` itself."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import queue
@@ -177,6 +178,41 @@ def test_text_deltas_hold_back_split_characters_and_stop_strings(real_model):
             break
     assert stopping.stopped and sent == text[:text.index("THE END")]
     assert stopping.push(ids) == ""
+
+
+def test_the_text_decoder_gives_what_the_tokenizer_decodes(real_model, monkeypatch):
+    """The default model's tokenizer decodes through its Rust tokenizer directly (the server does it twice a
+    streamed chunk), and gives what ``tokenizer.decode`` gives, special tokens dropped, on real chat text cut
+    anywhere; a tokenizer that cleans spaces up keeps ``decode``."""
+    tokenizer = real_model[1]
+    ids = chat_input_ids(tokenizer, [{"role": "user", "content": "Café ☕ and 東京 🗼: what is 2 + 2?"},
+                                     {"role": "assistant", "content": "It is 4 — « done », isn't it?  Yes."}])
+    decode = serve.text_decoder(tokenizer)
+    with monkeypatch.context() as patched:
+        patched.setattr(tokenizer, "decode", lambda *a, **k: pytest.fail("decoded through the wrapper"))
+        fast = [decode(ids[i:j]) for i in range(0, len(ids), 3) for j in range(i, len(ids) + 1, 5)]
+    assert fast == [tokenizer.decode(ids[i:j], skip_special_tokens=True)
+                    for i in range(0, len(ids), 3) for j in range(i, len(ids) + 1, 5)]
+    assert "<|im_start|>" in tokenizer.decode(ids) and "<|im_start|>" not in decode(ids)
+    monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", True)
+    calls = []
+    monkeypatch.setattr(tokenizer, "decode", lambda ids, **k: calls.append(k) or "")
+    serve.text_decoder(tokenizer)(ids)
+    assert calls == [{"skip_special_tokens": True}]
+
+
+def test_the_server_stack_is_the_c_one_where_installed(monkeypatch):
+    """``auto`` picks httptools and uvloop where they are installed (they are, with the app extra), the pure
+    Python ones where not; asking for one that is missing is refused before the model loads."""
+    assert serve.server_stack("auto", "auto") == ("httptools", "uvloop")
+    assert serve.server_stack("h11", "asyncio") == ("h11", "asyncio")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("httptools", "uvloop")
+                        else real(name, *a))
+    assert serve.server_stack("auto", "auto") == ("h11", "asyncio")
+    for flags, package in ((["--http", "httptools"], "httptools"), (["--loop", "uvloop"], "uvloop")):
+        with pytest.raises(SystemExit):
+            serve.main(["--device", "cpu", *flags])
 
 
 def test_health_and_models(client, model_id):
@@ -364,7 +400,7 @@ def test_the_program_serves_until_interrupted(model_id):
     env = {k: v for k, v in os.environ.items() if k != serve.API_KEY_ENV}
     command = [sys.executable, "-m", "application.serve", "--device", "cpu", "--port", "0", "--max_batch", "2",
                "--max_seq_len", "256", "--served_model_name", "smol", "--api_key", "k", "--switch_interval_ms", "0.5",
-               "--prefill_in_line"]
+               "--prefill_in_line", "--http", "h11", "--loop", "asyncio"]  # the tests in this process run the C ones
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True)
     lines: queue.Queue = queue.Queue()
@@ -379,7 +415,7 @@ def test_the_program_serves_until_interrupted(model_id):
             output.append(line)
             if line.startswith("ppd serving smol on http://127.0.0.1:"):
                 url = line.split(" on ")[1].strip()
-        assert "thread switch interval 0.5 ms\n" in output
+        assert "thread switch interval 0.5 ms\n" in output and "HTTP: h11, event loop: asyncio\n" in output
         assert "joining requests prefill on the running rows' stream (--prefill_in_line)\n" in output
         key = {"Authorization": "Bearer k"}
         assert httpx.get(f"{url}/health").json() == {"status": "ok"}

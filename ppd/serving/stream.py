@@ -1,8 +1,8 @@
 """The handle of one request in a continuous batch: its tokens as they come, its result, its cancellation.
 
 The batcher's thread calls :meth:`Stream._push` after every step the request took part in; consumers read
-either from a thread (``for chunk in stream``) or from an asyncio task (``async for chunk in stream``);
-each stream is read by one consumer. ``cancel()`` asks the batcher to drop the request at the next step
+either from a thread (``for chunk in stream``) or from an asyncio task (``async for chunk in stream``, or
+``stream.batches()`` for every chunk that has arrived at once); each stream is read by one consumer. ``cancel()`` asks the batcher to drop the request at the next step
 boundary (a client that went away): its row is freed and the other requests go on.
 """
 
@@ -96,13 +96,30 @@ class Stream:
             raise self.error
 
     async def __aiter__(self) -> AsyncIterator[Chunk]:
+        async for batch in self.batches():
+            for chunk in batch:
+                yield chunk
+
+    async def batches(self) -> AsyncIterator[list[Chunk]]:
+        """The chunks as ``async for`` gives them, each time all that have arrived by the time the consumer reads
+        (at least one): a consumer that falls behind the steps, as a server's event loop does under many
+        clients, then handles several steps' chunks at once instead of paying its per-chunk work for each."""
         if self._async_queue is None:
             raise RuntimeError("this stream was submitted outside an event loop: read it with `for`")
-        while True:
-            item = await self._async_queue.get()
-            if item is _DONE:
-                break
-            yield item
+        done = False
+        while not done:
+            batch, item = [], await self._async_queue.get()
+            while True:
+                if item is _DONE:
+                    done = True
+                    break
+                batch.append(item)
+                try:
+                    item = self._async_queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    break
+            if batch:
+                yield batch
         if self.error is not None:
             raise self.error
 

@@ -3,7 +3,8 @@
 # into .gpu/b1 .. .gpu/bN (git-ignored), each small enough to travel with the working tree in one call
 # (64 MiB): the default model's wheel cut in parts (PART=, by default what the tracked tree leaves of 64 MiB less
 # 6 MiB for the small wheels and headroom), gguf, the MT-Bench questions, and FastAPI with uvicorn
-# for the server. Then, back to back (an idle machine goes back after ~30 s):
+# for the server (LONG=1 adds the first 3,000 ShareGPT conversations for the long-context jobs, unpacked on the
+# device as /root/ppd-stage/sharegpt_first3000.json.gz). Then, back to back (an idle machine goes back after ~30 s):
 #   run(carry=[".gpu/b1"], command="bash .gpu/b1/recv.sh")   ... up to bN, which installs and prints READY,
 # and in the same last call start the job: "... && bash results/deep_gpu/lease/launch.sh <job.sh>".
 # recv.sh is the shared one (../shared/gpu/recv.sh), copied into every batch.
@@ -26,6 +27,15 @@ echo "tracked tree $((tree / 1048576)) MiB: parts of ${part}${PART:+ (PART)} byt
 n=0
 for part in "$dl"/*.part.*; do n=$((n + 1)); mkdir -p .gpu/b$n; mv "$part" .gpu/b$n/; done
 mv "$dl"/*.whl .gpu/b$n/  # the small wheels ride with the model's last part
+if [ -n "${LONG:-}" ]; then  # LONG=1: the long-context jobs' conversations, in a batch of their own (4.6 MB)
+  n=$((n + 1)); mkdir -p .gpu/b$n
+  ${PYTHON:-.venv/bin/python} - ".gpu/b$n/sharegpt_first3000.json.gz" <<'PY'
+import gzip, json, sys
+from ppd.conversations import load_conversations
+with gzip.open(sys.argv[1], "wt", encoding="utf-8") as out:  # the installed ShareGPT package's first 3,000
+    json.dump(load_conversations().records[:3000], out)
+PY
+fi
 for d in .gpu/b*; do cp "$recv" "$d/"; echo "$n" > "$d/.count"; done
 rmdir "$dl"
 du -sh .gpu/b* | sed 's/^/  /'
