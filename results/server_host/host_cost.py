@@ -10,9 +10,10 @@ were scheduled, which a load's wall time on a busy machine does.
 
 Each stack gets its own server (``python -m application.serve ... --http H --loop L``), loaded by ``eval.load``
 (``--clients``, greedy baseline or PPD); ``--repeats`` alternates the stacks. On a CPU the engine's step costs far
-more than on a GPU, so tokens/s there says little; the CPU times a token are the figures.
+more than on a GPU, so tokens/s there says little; the CPU times a token are the figures. Run from the
+repository's root with it on the path (``PYTHONPATH=.``), as the other tools under ``results/``.
 
-    python results/server_host/host_cost.py --model /tmp/tiny-host --make_tiny --server_args="--device cpu --dtype float32 \\
+    PYTHONPATH=. python results/server_host/host_cost.py --model /tmp/tiny-host --make_tiny --server_args="--device cpu --dtype float32 \\
         --capture eager --max_seq_len 1024 --max_batch 64" --clients 64 --requests 512 --repeats 2 \\
         --output results/server_host/cpu_tiny.json
 """
@@ -23,17 +24,14 @@ import argparse
 import json
 import os
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
-
-ROOT = Path(__file__).resolve().parents[2]
+from eval.load import ROOT, LaunchedServer
+from eval.records import write_json
 STACKS = {"h11/asyncio": ("h11", "asyncio"), "httptools/uvloop": ("httptools", "uvloop")}
 
 
@@ -78,44 +76,25 @@ def split_seconds(before: dict[int, float], after: dict[int, float], pid: int) -
     return loop, max(spent.values(), default=0.0)
 
 
-def serve(model: str, server_args: str, http: str, loop: str, port: int, log: Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "application.serve", "--model", model, "--port", str(port), "--http", http,
-               "--loop", loop, *shlex.split(server_args)]
-    process = subprocess.Popen(command, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited ({process.returncode}); its log: {log}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    process.kill()
-    raise RuntimeError(f"the server did not answer within 900 s; its log: {log}")
-
-
 def one_run(args, stack: str, work: Path, index: int) -> dict:
     http, loop = STACKS[stack]
-    log = work / f"server_{index}.log"
-    process = serve(args.model, args.server_args, http, loop, args.port, log)
+    server = LaunchedServer(["--model", args.model, "--http", http, "--loop", loop, *shlex.split(args.server_args)],
+                            work / f"server_{index}.log")
+    server.start()
     try:
-        before = thread_seconds(process.pid)
+        server.wait_healthy(args.launch_timeout, {})
+        before = thread_seconds(server.process.pid)
         load_json = work / f"load_{index}.json"
-        command = [sys.executable, "-m", "eval.load", "--url", f"http://127.0.0.1:{args.port}", "--clients",
-                   str(args.clients), "--requests", str(args.requests), "--methods", args.method, "--bench",
-                   args.bench, "--max_tokens", str(args.max_tokens), "--tokenizer", args.tokenizer or args.model,
+        command = [sys.executable, "-m", "eval.load", "--url", server.url, "--clients", str(args.clients),
+                   "--requests", str(args.requests), "--methods", args.method, "--bench", args.bench,
+                   "--max_tokens", str(args.max_tokens), "--tokenizer", args.tokenizer or args.model,
                    "--output", str(load_json)]
         subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        after = thread_seconds(process.pid)
+        after = thread_seconds(server.process.pid)
+        server.check()
+        loop_s, batcher_s = split_seconds(before, after, server.process.pid)
     finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-    loop_s, batcher_s = split_seconds(before, after, process.pid)
+        server.stop()
     load = json.loads(load_json.read_text())
     # warm-up requests included, as in the CPU times; a server that falls behind sends several steps' tokens a chunk
     chunks = sum(len(r["chunk_times_s"]) for r in load["records"])
@@ -124,8 +103,7 @@ def one_run(args, stack: str, work: Path, index: int) -> dict:
     return {"stack": stack, "http": http, "loop": loop, "chunks": chunks, "tokens": tokens,
             "tokens_per_s": summary["output_tokens_per_s"], "itl_p99_s": summary["itl_p99_s"],
             "event_loop_us_per_token": 1e6 * loop_s / tokens, "batcher_us_per_token": 1e6 * batcher_s / tokens,
-            "tokens_per_chunk": tokens / chunks,
-            "errors": summary["errors"]}
+            "tokens_per_chunk": tokens / chunks, "errors": summary["errors"]}
 
 
 def table(runs: list[dict]) -> str:
@@ -156,7 +134,7 @@ def main(argv=None) -> int:
     parser.add_argument("--method", choices=["baseline", "ppd"], default="baseline")
     parser.add_argument("--bench", choices=["mt_bench", "alpaca_eval"], default="mt_bench")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each stack, alternated")
-    parser.add_argument("--port", type=int, default=8123)
+    parser.add_argument("--launch_timeout", type=float, default=900.0, help="seconds a server may take to start")
     parser.add_argument("--output", default=None, help="JSON file")
     args = parser.parse_args(argv)
     if not Path("/proc/self/task").is_dir():
@@ -174,12 +152,9 @@ def main(argv=None) -> int:
                       f"{run['tokens_per_s']:,.0f} tokens/s", flush=True)
     print(table(runs))
     if args.output:
-        record = {"command": " ".join(shlex.quote(a) for a in sys.argv), "cpu": _cpu_name(), "cores": os.cpu_count(),
-                  "settings": {k: v for k, v in vars(args).items() if k != "output"}, "runs": runs}
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(args.output).with_suffix(".tmp")
-        tmp.write_text(json.dumps(record, indent=1) + "\n")
-        tmp.replace(args.output)
+        write_json(args.output, {"command": " ".join(shlex.quote(a) for a in sys.argv), "cpu": _cpu_name(),
+                                 "cores": os.cpu_count(),
+                                 "settings": {k: v for k, v in vars(args).items() if k != "output"}, "runs": runs})
     return 0
 
 
