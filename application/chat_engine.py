@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from ppd.chat import chat_input_ids
+from ppd.chat import chat_input_ids, text_decoder
 from ppd.cli import Loaded
 from ppd.config import CaptureMode, DecodeConfig
 from ppd.decoder import GenerationOutput
@@ -87,6 +87,7 @@ class ChatEngine:
     def __init__(self, loaded: Loaded, capture: CaptureMode | str = CaptureMode.AUTO, max_batch: int = 8):
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
+        self._decode = text_decoder(loaded.tokenizer)
         self.decoder = loaded.decoder
         self.capture = CaptureMode(capture)
         self.max_batch = max_batch
@@ -184,7 +185,7 @@ class ChatEngine:
         return update
 
     def _extend(self, update: ReplyUpdate, tokens: list[int], guessed: int) -> None:
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        decode = self._decode
         before = update.text
         update.token_ids.extend(tokens)
         n_guess_end = len(update.token_ids) - len(tokens) + guessed

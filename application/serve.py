@@ -37,7 +37,7 @@ import logging
 import os
 import secrets
 import sys
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -49,7 +49,7 @@ from jinja2 import TemplateError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
-from ppd.chat import chat_input_ids, plain_input_ids
+from ppd.chat import chat_input_ids, plain_input_ids, text_decoder
 from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_decoder_or_exit
 from ppd.config import CaptureMode, DecodeConfig
 from ppd.decoder import PromptTooLongError
@@ -105,16 +105,6 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------------------------------------- text
-def text_decoder(tokenizer) -> Callable[[list[int]], str]:
-    """Token ids to text without special tokens, as ``tokenizer.decode`` gives it. A fast tokenizer that cleans
-    no spaces up afterwards decodes through its Rust tokenizer directly: the same text without the Python
-    wrapper's few microseconds, which a server pays twice for every chunk it streams."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
-        return lambda ids: backend.decode(ids, skip_special_tokens=True)
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
-
-
 class TextDeltas:
     """A request's tokens as the text to send: after each chunk, the new text that can no longer change.
 
@@ -126,7 +116,6 @@ class TextDeltas:
     only its own tokens and the previous chunk's: a long answer costs no more per token than a short one."""
 
     def __init__(self, tokenizer, stop: Sequence[str] = ()):
-        self.tokenizer = tokenizer
         self._decode = text_decoder(tokenizer)
         self.stop = [s for s in stop if s]
         self.hold = max((len(s) for s in self.stop), default=1) - 1
@@ -444,15 +433,17 @@ class ReadyServer(uvicorn.Server):
 
 
 def server_stack(http: str, loop: str) -> tuple[str, str]:
-    """The HTTP implementation and event loop uvicorn runs (``auto``: the C ones where installed). Each
-    streamed chunk costs the server's one thread the HTTP framing, the socket write and the loop's wake-up,
-    so at many clients these set how fast tokens leave (``results/server_host/``)."""
-    found = {name: importlib.util.find_spec(name) is not None for name in ("httptools", "uvloop")}
-    if http == "auto":
-        http = "httptools" if found["httptools"] else "h11"
-    if loop == "auto":
-        loop = "uvloop" if found["uvloop"] else "asyncio"
-    return http, loop
+    """The HTTP implementation and event loop uvicorn runs (``auto``: the C ones where installed; ValueError
+    for a C one asked for and missing). Each streamed chunk costs the server's one thread the HTTP framing, the
+    socket write and the loop's wake-up, so at many clients these set how fast tokens leave
+    (``results/server_host/``)."""
+    chosen = []
+    for flag, asked, fast, plain in (("--http", http, "httptools", "h11"), ("--loop", loop, "uvloop", "asyncio")):
+        found = importlib.util.find_spec(fast) is not None
+        if asked == fast and not found:
+            raise ValueError(f"{flag} {fast} needs the {fast} package (pip install {fast})")
+        chosen.append(asked if asked != "auto" else fast if found else plain)
+    return chosen[0], chosen[1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -466,9 +457,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--max_queue must be >= 0, not {args.max_queue}")
     if args.switch_interval_ms is not None and not args.switch_interval_ms > 0:
         parser.error(f"--switch_interval_ms must be > 0, not {args.switch_interval_ms}")
-    for flag, package in (("--http", "httptools"), ("--loop", "uvloop")):
-        if getattr(args, flag[2:]) == package and importlib.util.find_spec(package) is None:
-            parser.error(f"{flag} {package} needs the {package} package (pip install {package})")
+    try:
+        http, loop = server_stack(args.http, args.loop)  # before the model loads
+    except ValueError as error:
+        parser.error(str(error))
 
     loaded = load_decoder_or_exit(args)
     if args.max_batch is None:
@@ -500,7 +492,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
             print(f"warning: serving on {args.host} without an API key: anyone who can reach it can use it "
                   f"(--api_key or ${API_KEY_ENV})", file=sys.stderr)
-        http, loop = server_stack(args.http, args.loop)
         print(f"HTTP: {http}, event loop: {loop}", flush=True)
         config = uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=5, http=http,
                                 loop=loop)

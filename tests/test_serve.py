@@ -24,7 +24,7 @@ import uvicorn
 
 from application import serve
 from ppd import DecodeConfig, Decoder, eos_ids_of
-from ppd.chat import chat_input_ids, plain_input_ids
+from ppd.chat import chat_input_ids, plain_input_ids, text_decoder
 from ppd.adapter import AdapterFiles
 from ppd.serving import BatcherConfig, ContinuousBatcher
 
@@ -187,7 +187,7 @@ def test_the_text_decoder_gives_what_the_tokenizer_decodes(real_model, monkeypat
     tokenizer = real_model[1]
     ids = chat_input_ids(tokenizer, [{"role": "user", "content": "Café ☕ and 東京 🗼: what is 2 + 2?"},
                                      {"role": "assistant", "content": "It is 4 — « done », isn't it?  Yes."}])
-    decode = serve.text_decoder(tokenizer)
+    decode = text_decoder(tokenizer)
     with monkeypatch.context() as patched:
         patched.setattr(tokenizer, "decode", lambda *a, **k: pytest.fail("decoded through the wrapper"))
         fast = [decode(ids[i:j]) for i in range(0, len(ids), 3) for j in range(i, len(ids) + 1, 5)]
@@ -197,7 +197,7 @@ def test_the_text_decoder_gives_what_the_tokenizer_decodes(real_model, monkeypat
     monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", True)
     calls = []
     monkeypatch.setattr(tokenizer, "decode", lambda ids, **k: calls.append(k) or "")
-    serve.text_decoder(tokenizer)(ids)
+    text_decoder(tokenizer)(ids)
     assert calls == [{"skip_special_tokens": True}]
 
 
@@ -210,7 +210,10 @@ def test_the_server_stack_is_the_c_one_where_installed(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("httptools", "uvloop")
                         else real(name, *a))
     assert serve.server_stack("auto", "auto") == ("h11", "asyncio")
-    for flags, package in ((["--http", "httptools"], "httptools"), (["--loop", "uvloop"], "uvloop")):
+    assert serve.server_stack("h11", "auto") == ("h11", "asyncio")
+    for stack, flags in ((("httptools", "auto"), ["--http", "httptools"]), (("auto", "uvloop"), ["--loop", "uvloop"])):
+        with pytest.raises(ValueError, match=f"needs the {flags[1]} package"):
+            serve.server_stack(*stack)
         with pytest.raises(SystemExit):
             serve.main(["--device", "cpu", *flags])
 

@@ -2,8 +2,9 @@
 
 The batcher's thread calls :meth:`Stream._push` after every step the request took part in; consumers read
 either from a thread (``for chunk in stream``) or from an asyncio task (``async for chunk in stream``, or
-``stream.batches()`` for every chunk that has arrived at once); each stream is read by one consumer. ``cancel()`` asks the batcher to drop the request at the next step
-boundary (a client that went away): its row is freed and the other requests go on.
+``stream.batches()`` for every chunk that has arrived at once); each stream is read by one consumer.
+``cancel()`` asks the batcher to drop the request at the next step boundary (a client that went away): its row
+is freed and the other requests go on.
 """
 
 from __future__ import annotations
