@@ -25,7 +25,7 @@ part=${PART:-$(( (64 - 6) * 1048576 - tree ))}
 echo "tracked tree $((tree / 1048576)) MiB: parts of ${part}${PART:+ (PART)} bytes"
 ( cd "$dl" && split -b "$part" "$model" "$model.part." && rm "$model" )
 n=0
-for part in "$dl"/*.part.*; do n=$((n + 1)); mkdir -p .gpu/b$n; mv "$part" .gpu/b$n/; done
+for piece in "$dl"/*.part.*; do n=$((n + 1)); mkdir -p .gpu/b$n; mv "$piece" .gpu/b$n/; done
 mv "$dl"/*.whl .gpu/b$n/  # the small wheels ride with the model's last part
 if [ -n "${LONG:-}" ]; then  # LONG=1: the long-context jobs' conversations, in a batch of their own (4.6 MB)
   n=$((n + 1)); mkdir -p .gpu/b$n
