@@ -79,6 +79,8 @@ class DecodeState:
         # Room for every position a row's text reaches: the cache's slots, then one step's tokens past the last.
         self.history = longs(B, capacity + max_emit + 1) if history else None
         self._views: dict[tuple, list[torch.Tensor]] = {}  # per row, its views (see ``copy_row_from``)
+        # One row's worth of each buffer ``vacate`` writes, holding its padding value (see ``PADDING``).
+        self._padding = [torch.full_like(getattr(self, name)[0], value) for name, value in self.PADDING]
 
     # Every per-row buffer except the KV cache.
     ROW_BUFFERS = ("lengths", "root", "guesses", "guess_log_probs", "key", "generated", "limit", "reason",
@@ -141,14 +143,15 @@ class DecodeState:
             found = self._views[key] = [t[row] for t in self.row_tensors()] + [b[row] for b in buffers]
         return found
 
+    # What a padding row holds in the buffers :meth:`vacate` writes.
+    PADDING = (("reason", LENGTH), ("lengths", 0), ("generated", 0), ("limit", 1), ("key", 0), ("report", 0))
+
     def vacate(self, row: int) -> None:
-        """Make ``row`` inert padding: finished, empty, with a valid tree key."""
-        self.reason[row] = LENGTH
-        self.lengths[row] = 0
-        self.generated[row] = 0
-        self.limit[row] = 1
-        self.key[row] = 0
-        self.report[row] = 0
+        """Make ``row`` inert padding: finished, empty, with a valid tree key.
+
+        One foreach copy from padding values made once (on a GPU one kernel, where writing each buffer's element
+        from a Python number costs an allocation and two kernels, twelve launches a finished request)."""
+        torch._foreach_copy_([getattr(self, name)[row] for name, _ in self.PADDING], self._padding)
 
     def small_tensors(self) -> list[torch.Tensor]:
         """Every buffer a step changes except the KV cache, whose changes past ``lengths`` are stale anyway."""
