@@ -20,7 +20,8 @@ For each context, batch size and method: untimed warm-up (``ppd``/``baseline``: 
 one short generation; ``hf_static``: two whole generations at the same shape, which compile on a GPU, one on a
 CPU, where transformers does not compile), then the timed generation, with the peak GPU memory (the engine's
 cache holds ``--max_seq_len`` tokens per row whatever the context, and stays allocated for each batch size run
-before). Its prefill time is the time until the prefill's tokens were read back in the same run
+before) and the peak's rise over what was allocated when the timed generation began (its prefill's and steps'
+working memory). Its prefill time is the time until the prefill's tokens were read back in the same run
 (``hf_static``: a timed one-token generation of the batch after it). Decode-only throughput is (new tokens -
 batch) / (wall time - prefill time); end-to-end throughput is new tokens / wall time. Greedy outputs are
 compared with the baseline's (``hf_static``'s without a baseline). A combination that runs out of GPU memory
@@ -165,15 +166,17 @@ def measure(loaded, method: str, batches: list[list[list[int]]], args: argparse.
         if device.type != "cuda":
             generate(batches[0], args.max_new_tokens)
     captured = {id(c) for c in decoder.captures}
-    tokens, wall, steps, prefill_s, per_sample, peak = [], 0.0, [], 0.0, [], None
+    tokens, wall, steps, prefill_s, per_sample, peak, rise = [], 0.0, [], 0.0, [], None, None
     for prompts in batches:
         if warm is not None:
             warm(prompts)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
         here, seconds, counts, prefill = generate(prompts, args.max_new_tokens, timed=True)
         if device.type == "cuda":
             peak = max(peak or 0, torch.cuda.max_memory_allocated(device))
+            rise = max(rise or 0, torch.cuda.max_memory_allocated(device) - before)
         if prefill is None:  # generate gives no time of its prefill: a one-token generation of the batch's
             _, prefill, _, _ = generate(prompts, 1)
         tokens += here
@@ -193,7 +196,7 @@ def measure(loaded, method: str, batches: list[list[list[int]]], args: argparse.
             "wall_time_s": wall, "prefill_s": prefill_s, "tokens_per_s": new_tokens / wall,
             "decode_tokens_per_s": _rate(new_tokens - batch * len(batches), wall - prefill_s),
             "per_sample": per_sample if len(batches) > 1 else None,
-            "peak_memory_bytes": peak, "warmup_s": warmup_s, "captured_while_timed": late,
+            "peak_memory_bytes": peak, "peak_rise_bytes": rise, "warmup_s": warmup_s, "captured_while_timed": late,
             "pass_ms": pass_summary(passes), "error": None,
             "token_ids": tokens}
 
@@ -319,8 +322,13 @@ def _cell(row: dict | None, field: str, spec: str, suffix: str = "") -> str:
 
 
 def _gib(row: dict) -> str:
+    """The peak GiB, and in brackets its rise over what was allocated when the timed generation began (the
+    prefill's and the steps' working memory, without the caches and weights already there)."""
     peak = None if row.get("error") else row.get("peak_memory_bytes")
-    return _cell(row, "peak_memory_bytes", "") if peak is None else f"{peak / 2 ** 30:.1f}"
+    if peak is None:
+        return _cell(row, "peak_memory_bytes", "")
+    rise = row.get("peak_rise_bytes")
+    return f"{peak / 2 ** 30:.1f}" + ("" if rise is None else f" (+{rise / 2 ** 30:.1f})")
 
 
 def table(result: dict) -> str:

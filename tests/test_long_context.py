@@ -29,6 +29,14 @@ def test_contexts_that_cannot_run_exit_2_with_one_line(capsys):
     assert "context 16384 is larger than the model's context window, 8192 tokens" in capsys.readouterr().err
 
 
+def test_the_table_gives_the_peak_and_its_rise_over_what_was_allocated_before():
+    gib = 2 ** 30
+    assert long_context._gib({"peak_memory_bytes": 10 * gib, "peak_rise_bytes": gib // 2}) == "10.0 (+0.5)"
+    assert long_context._gib({"peak_memory_bytes": 3 * gib}) == "3.0"  # a file written before the rise was kept
+    assert long_context._gib({"peak_memory_bytes": None, "peak_rise_bytes": None}) == "-"
+    assert long_context._gib({"error": "out of memory at batch 32"}) == "OOM"
+
+
 def test_an_end_to_end_run_on_the_cpu(tmp_path, capsys):
     output, picture = tmp_path / "long.json", tmp_path / "long.png"
     plotting = importlib.util.find_spec("matplotlib") is not None
@@ -50,7 +58,7 @@ def test_an_end_to_end_run_on_the_cpu(tmp_path, capsys):
         if method != "hf_static":  # read back within the same run; hf_static's is a run of its own, whose
             assert row["prefill_s"] < row["wall_time_s"]  # time on a loaded machine may exceed the whole run's
         assert row["decode_tokens_per_s"] is None or row["decode_tokens_per_s"] > 0
-        assert row["peak_memory_bytes"] is None  # no GPU
+        assert row["peak_memory_bytes"] is None and row["peak_rise_bytes"] is None  # no GPU
         assert row["identical_to_reference"] == 1.0, (batch, method)
         assert (row["steps"] is None) == (method == "hf_static")
         if method == "hf_static":
