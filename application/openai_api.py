@@ -10,9 +10,10 @@ dicts built by the functions at the end, in the shapes OpenAI's clients parse.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -215,6 +216,39 @@ def chunk_object(kind: Literal["chat", "text"], id: str, created: int, model: st
     if ppd is not None:
         chunk["ppd"] = ppd
     return chunk
+
+
+def sse(obj: dict) -> str:
+    """``obj`` as one server-sent event."""
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+_TEXT, _USAGE = "\x00", "\x01"  # stand for a piece's text and usage in a chunk's template (json.dumps escapes them)
+
+
+def text_events(kind: Literal["chat", "text"], id: str, created: int, model: str, with_usage: bool = False,
+                running_usage: bool = False) -> Callable[..., str]:
+    """``event(piece, usage=None)``: the event of each streamed piece of text of one answer, ``sse(chunk_object(kind,
+    id, created, model, text=piece, with_usage=with_usage, running_usage=usage))`` to the byte, from a template
+    made once (``running_usage``: each chunk carries the usage so far, which ``usage`` then gives). Only the piece
+    and the usage are encoded per chunk: a streaming server sends one such event per running request and step,
+    and building and encoding the whole object took ~6 % of its event loop's time (a profile on this project's
+    CPU, 64 clients)."""
+    def whole(piece: str, usage: dict | None = None) -> str:
+        return sse(chunk_object(kind, id, created, model, text=piece, with_usage=with_usage, running_usage=usage))
+
+    parts = whole(_TEXT, _USAGE if running_usage else None).split(json.dumps(_TEXT))
+    usages = [part.count(json.dumps(_USAGE)) for part in parts]
+    if len(parts) != 2 or usages != [0, int(running_usage)]:
+        return whole  # a name that holds a stand-in (it never does): every event built whole
+    head, rest = parts
+    middle, tail = rest.split(json.dumps(_USAGE)) if running_usage else (rest, "")
+
+    def event(piece: str, usage: dict | None = None) -> str:
+        if running_usage:
+            return head + json.dumps(piece, ensure_ascii=False) + middle + json.dumps(usage) + tail
+        return head + json.dumps(piece, ensure_ascii=False) + middle
+    return event
 
 
 def usage_chunk(kind: Literal["chat", "text"], id: str, created: int, model: str, usage: dict) -> dict:

@@ -32,7 +32,6 @@ import argparse
 import asyncio
 import hmac
 import importlib.util
-import json
 import logging
 import os
 import secrets
@@ -57,7 +56,8 @@ from ppd.decoding import graphs
 from ppd.serving import BatcherConfig, ContinuousBatcher, EngineClosedError, QueueFullError
 
 from .openai_api import (APIError, ChatCompletionRequest, CompletionRequest, chunk_object, completion_object,
-                         error_body, model_list, new_id, now, ppd_stats, usage, usage_chunk, validation_error)
+                         error_body, model_list, new_id, now, ppd_stats, sse, text_events, usage, usage_chunk,
+                         validation_error)
 
 logger = logging.getLogger(__name__)
 
@@ -284,33 +284,33 @@ class Service:
         """The answer as server-sent events. Ending early (the client went away) cancels the request."""
         id, created, text, reason = new_id(job.kind), now(), TextDeltas(self.tokenizer, job.stop), None
 
-        def chunk(**fields) -> str:
-            running = usage(len(job.ids), len(text.ids)) if job.continuous_usage else None
-            return _sse(chunk_object(job.kind, id, created, self.model_id, with_usage=job.include_usage,
-                                     running_usage=running, **fields))
+        def running() -> dict | None:  # the usage so far, where every chunk carries it
+            return usage(len(job.ids), len(text.ids)) if job.continuous_usage else None
 
+        def chunk(**fields) -> str:
+            return sse(chunk_object(job.kind, id, created, self.model_id, with_usage=job.include_usage,
+                                    running_usage=running(), **fields))
+
+        # The pieces of text, the most of the events, each from a template made once.
+        piece = text_events(job.kind, id, created, self.model_id, job.include_usage, job.continuous_usage)
         try:
             if job.kind == "chat":
                 yield chunk(text="", role=True)
             async for delta, finish in self.pieces(stream, text):
                 if delta:
-                    yield chunk(text=delta)
+                    yield piece(delta, running())
                 reason = finish or reason
             yield chunk(finish_reason=reason or "stop", ppd=self.ppd(job, stream))
             if job.include_usage:
-                yield _sse(usage_chunk(job.kind, id, created, self.model_id, usage(len(job.ids), len(text.ids))))
+                yield sse(usage_chunk(job.kind, id, created, self.model_id, usage(len(job.ids), len(text.ids))))
         except EngineClosedError as error:
-            yield _sse(error_body(f"the engine stopped before the answer was done: {error}", "server_error"))
+            yield sse(error_body(f"the engine stopped before the answer was done: {error}", "server_error"))
         except Exception as error:  # noqa: BLE001 - the status line is sent: the client can only read it here
             logger.exception("streaming an answer failed")
-            yield _sse(error_body(f"the answer failed: {error}", "server_error"))
+            yield sse(error_body(f"the answer failed: {error}", "server_error"))
         finally:
             stream.cancel()  # a no-op once the request is done
         yield DONE
-
-
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 async def _cancel_when_gone(request, stream, every_s: float = 0.2) -> None:

@@ -22,7 +22,7 @@ import httpx
 import pytest
 import uvicorn
 
-from application import serve
+from application import openai_api, serve
 from ppd import DecodeConfig, Decoder, eos_ids_of
 from ppd.chat import chat_input_ids, plain_input_ids, text_decoder
 from ppd.adapter import AdapterFiles
@@ -218,6 +218,22 @@ def test_the_server_stack_is_the_c_one_where_installed(monkeypatch):
             serve.main(["--device", "cpu", *flags])
 
 
+def test_text_events_are_the_chunk_objects_encoded_whole():
+    pieces = ["", "a", " word", "é\n", '"quoted" \\ back', "\x00\x1f\t", "\u2028", "😀", "</script>"]
+    for kind in ("chat", "text"):
+        for with_usage, running in ((False, False), (True, False), (True, True)):
+            event = openai_api.text_events(kind, "chatcmpl-1", 1733000000, 'a "model"', with_usage, running)
+            for tokens, piece in enumerate(pieces):
+                usage = openai_api.usage(12, tokens) if running else None
+                whole = openai_api.chunk_object(kind, "chatcmpl-1", 1733000000, 'a "model"', text=piece,
+                                                with_usage=with_usage, running_usage=usage)
+                assert event(piece, usage) == openai_api.sse(whole)
+                assert json.loads(event(piece, usage).removeprefix("data: ")) == whole
+    odd = openai_api.text_events("chat", "chatcmpl-1", 1, "a\x00model", True, True)  # built whole, still right
+    assert odd("x", openai_api.usage(1, 2)) == openai_api.sse(openai_api.chunk_object(
+        "chat", "chatcmpl-1", 1, "a\x00model", text="x", with_usage=True, running_usage=openai_api.usage(1, 2)))
+
+
 def test_health_and_models(client, model_id):
     assert client.get("/health").json() == {"status": "ok"}
     models = client.get("/v1/models").json()
@@ -280,6 +296,15 @@ def test_streamed_deltas_rebuild_the_answer(client, real_model, alone, model_id)
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == whole["choices"][0]["text"]
     assert events[-2]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
     assert events[-2]["ppd"] == whole["ppd"] and "usage" not in events[-2]
+    # With the running usage in every chunk (vLLM's continuous_usage_stats), each carries the tokens so far.
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    with client.stream("POST", "/v1/completions", json={**request, "stream": True, "stream_options": options}) as r:
+        events = list(sse_data(r.iter_lines()))
+    *pieces, last = events[:-2]
+    assert "".join(e["choices"][0]["text"] for e in events[:-2]) == whole["choices"][0]["text"]
+    counts = [e["usage"]["completion_tokens"] for e in pieces]
+    assert counts == sorted(counts) and 0 < counts[-1] <= last["usage"]["completion_tokens"]
+    assert events[-2]["usage"] == whole["usage"]
 
 
 def test_stop_strings_cut_the_answer_and_end_the_request(client, batcher, alone):
