@@ -175,8 +175,8 @@ def measure(loaded, method: str, batches: list[list[list[int]]], args: argparse.
             before = torch.cuda.memory_allocated(device)
         here, seconds, counts, prefill = generate(prompts, args.max_new_tokens, timed=True)
         if device.type == "cuda":
-            peak = max(peak or 0, torch.cuda.max_memory_allocated(device))
-            rise = max(rise or 0, torch.cuda.max_memory_allocated(device) - before)
+            highest = torch.cuda.max_memory_allocated(device)
+            peak, rise = max(peak or 0, highest), max(rise or 0, highest - before)
         if prefill is None:  # generate gives no time of its prefill: a one-token generation of the batch's
             _, prefill, _, _ = generate(prompts, 1)
         tokens += here
