@@ -12,7 +12,8 @@
 # (3) where the 16-row chained tree's batch-16 step spends its device time (against v25's 40-row profile);
 # (4) issue 18's memory at 8K and batch 16: v26's tree runs peaked at 25-28 GiB against 9.8, but each variant's
 #     decoder kept its cache allocated for the next; eval.long_context now also gives the peak's rise over what was
-#     allocated when the timed generation began. The baseline and the 16-row chained tree alone, in one process.
+#     allocated when the timed generation began. The baseline and the 16-row chained tree alone, in one process;
+# (5) if time is left: the server at 16 clients with the 8-row chained tree (17 rows a step).
 set -u
 source /root/tree/results/deep_gpu/lease/job_env.sh v27
 E="--dtype bfloat16 --capture compiled_graph"
@@ -40,6 +41,10 @@ T=results/lookup/trees
     --methods baseline --trees $T/tree_16_lookup8.json --data_path /root/ppd-stage/sharegpt_first3000.json \
     --max_new_tokens 128 --max_seq_len 8448 --output $R/long_context_8k_b16_memory.json \
     > $R/logs/long8k_memory.log 2>&1; echo "rc $?"; grep -E "^\|" $R/logs/long8k_memory.log | cut -c1-240 | head -4
+  t load16_tree8; timeout 400 python -m eval.load --launch --model smollm2-135m-instruct \
+    --server_args="$S --max_batch 16 --tree $T/tree_8_lookup8.json" --clients 16 --methods ppd \
+    --bench mt_bench --max_tokens 256 --output $R/load16_tree8.json > $R/logs/load16_tree8.log 2>&1; echo "rc $?"
+  grep -E "^\|" $R/logs/load16_tree8.log | head -4
   t end
 } > /root/res/job.log 2>&1
 echo "JOB DONE" >> /root/res/job.log
