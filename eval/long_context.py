@@ -20,9 +20,11 @@ For each context, batch size and method: untimed warm-up (``ppd``/``baseline``: 
 one short generation; ``hf_static``: two whole generations at the same shape, which compile on a GPU, one on a
 CPU, where transformers does not compile), then the timed generation, with the peak GPU memory (the engine's
 cache holds ``--max_seq_len`` tokens per row whatever the context, and stays allocated for each batch size run
-before) and the peak's rise over what was allocated when the timed generation began (its prefill's and steps'
-working memory). Its prefill time is the time until the prefill's tokens were read back in the same run
-(``hf_static``: a timed one-token generation of the batch after it). Decode-only throughput is (new tokens -
+before), the peak's rise over what was allocated when the timed generation began (its prefill's and steps'
+working memory) and, for the engine's methods, the steps' own rise over what was allocated once the prefill had
+reported (a tree step's working memory: it should not grow with the context). Its prefill time is the time until
+the prefill's tokens were read back in the same run (``hf_static``: a timed one-token generation of the batch after
+it). Decode-only throughput is (new tokens -
 batch) / (wall time - prefill time); end-to-end throughput is new tokens / wall time. Greedy outputs are
 compared with the baseline's (``hf_static``'s without a baseline). A combination that runs out of GPU memory
 is recorded with its error and the run goes on. Writes JSON, a markdown table and a plot of PPD's decode-only
@@ -141,10 +143,12 @@ def measure(loaded, method: str, batches: list[list[list[int]]], args: argparse.
     warmup_s = None
     passes: list[float] = []  # the milliseconds of each pass of the timed generations
     warm = None  # what runs untimed before each sample's timed generation
+    memory = StepMemory(device)
     if method in ENGINE_METHODS:
         def generate(prompts, max_new_tokens, timed=False):
             outs = decoder.generate(prompts, DecodeConfig(method=method, max_new_tokens=max_new_tokens,
-                                                          capture=args.capture))
+                                                          capture=args.capture),
+                                    on_report=memory.on_report if timed else None)
             if timed:
                 passes.extend(pass_gaps([outs[0].prefill_time_s] + outs[0].report_times_s))
             return [o.token_ids for o in outs], outs[0].wall_time_s, [o.steps for o in outs], outs[0].prefill_time_s
@@ -166,17 +170,13 @@ def measure(loaded, method: str, batches: list[list[list[int]]], args: argparse.
         if device.type != "cuda":
             generate(batches[0], args.max_new_tokens)
     captured = {id(c) for c in decoder.captures}
-    tokens, wall, steps, prefill_s, per_sample, peak, rise = [], 0.0, [], 0.0, [], None, None
+    tokens, wall, steps, prefill_s, per_sample = [], 0.0, [], 0.0, []
     for prompts in batches:
         if warm is not None:
             warm(prompts)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            before = torch.cuda.memory_allocated(device)
+        memory.start()
         here, seconds, counts, prefill = generate(prompts, args.max_new_tokens, timed=True)
-        if device.type == "cuda":
-            highest = torch.cuda.max_memory_allocated(device)
-            peak, rise = max(peak or 0, highest), max(rise or 0, highest - before)
+        memory.stop()
         if prefill is None:  # generate gives no time of its prefill: a one-token generation of the batch's
             _, prefill, _, _ = generate(prompts, 1)
         tokens += here
@@ -196,9 +196,47 @@ def measure(loaded, method: str, batches: list[list[list[int]]], args: argparse.
             "wall_time_s": wall, "prefill_s": prefill_s, "tokens_per_s": new_tokens / wall,
             "decode_tokens_per_s": _rate(new_tokens - batch * len(batches), wall - prefill_s),
             "per_sample": per_sample if len(batches) > 1 else None,
-            "peak_memory_bytes": peak, "peak_rise_bytes": rise, "warmup_s": warmup_s, "captured_while_timed": late,
+            **memory.figures(), "warmup_s": warmup_s, "captured_while_timed": late,
             "pass_ms": pass_summary(passes), "error": None,
             "token_ids": tokens}
+
+
+class StepMemory:
+    """The peak GPU memory of timed generations, and its rises: over what was allocated when a generation began,
+    and, where the engine reports its prefill (``on_report``), the steps' own over what was allocated once the
+    prefill's report arrived (so a step's working memory, the tree's included, is told apart from the prefill's).
+    The allocator's figures are the host's own bookkeeping: reading them waits for nothing on the device. Every
+    figure is None off a GPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.peak = self.rise = self.step_rise = None
+        self.before = self.highest = self.steps_before = None
+
+    def start(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.before, self.highest, self.steps_before = torch.cuda.memory_allocated(self.device), 0, None
+
+    def on_report(self, index: int) -> None:
+        """Report ``index`` of the timed generation arrived (0: the prefill's): from there on, the steps."""
+        if self.cuda and index == 0:
+            self.highest = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.steps_before = torch.cuda.memory_allocated(self.device)
+
+    def stop(self) -> None:
+        if not self.cuda:
+            return
+        last = torch.cuda.max_memory_allocated(self.device)
+        highest = max(self.highest, last)
+        self.peak, self.rise = max(self.peak or 0, highest), max(self.rise or 0, highest - self.before)
+        if self.steps_before is not None:
+            self.step_rise = max(self.step_rise or 0, last - self.steps_before)
+
+    def figures(self) -> dict:
+        return {"peak_memory_bytes": self.peak, "peak_rise_bytes": self.rise, "step_rise_bytes": self.step_rise}
 
 
 def _rate(tokens: int, seconds: float) -> float | None:
@@ -323,12 +361,15 @@ def _cell(row: dict | None, field: str, spec: str, suffix: str = "") -> str:
 
 def _gib(row: dict) -> str:
     """The peak GiB, and in brackets its rise over what was allocated when the timed generation began (the
-    prefill's and the steps' working memory, without the caches and weights already there)."""
+    prefill's and the steps' working memory, without the caches and weights already there), then the steps' own
+    rise over what was allocated once the prefill had reported, where measured."""
     peak = None if row.get("error") else row.get("peak_memory_bytes")
     if peak is None:
         return _cell(row, "peak_memory_bytes", "")
-    rise = row.get("peak_rise_bytes")
-    return f"{peak / 2 ** 30:.1f}" + ("" if rise is None else f" (+{rise / 2 ** 30:.1f})")
+    rise, steps = row.get("peak_rise_bytes"), row.get("step_rise_bytes")
+    inner = [f"+{rise / 2 ** 30:.1f}"] if rise is not None else []
+    inner += [f"steps +{steps / 2 ** 30:.2f}"] if steps is not None else []
+    return f"{peak / 2 ** 30:.1f}" + (f" ({', '.join(inner)})" if inner else "")
 
 
 def table(result: dict) -> str:

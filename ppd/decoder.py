@@ -12,7 +12,7 @@ compiles and captures it, ``loop.py`` is the host loop that reads one small tens
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -354,8 +354,10 @@ class Decoder:
 
     # ------------------------------------------------------------------ public API
     def generate(self, input_ids: Sequence[int] | Sequence[Sequence[int]], config: DecodeConfig | None = None,
-                 **overrides) -> GenerationOutput | list[GenerationOutput]:
-        """Decode one prompt (a list of ids) or a batch (a list of lists); returns one output per prompt."""
+                 on_report: Callable[[int], None] | None = None, **overrides
+                 ) -> GenerationOutput | list[GenerationOutput]:
+        """Decode one prompt (a list of ids) or a batch (a list of lists); returns one output per prompt.
+        ``on_report(i)`` is called on the host as report i arrives (0: the prefill's, then one per step)."""
         config = _with_overrides(config, overrides)
         single = len(input_ids) > 0 and isinstance(input_ids[0], int)
         batch = [list(input_ids)] if single else [list(x) for x in input_ids]
@@ -364,6 +366,8 @@ class Decoder:
         reports = []  # when each report was on the host: the first follows the prefill, then one per step
         for progress in decode(self, batch, config):
             reports.append(time.perf_counter() - start)
+            if on_report is not None:
+                on_report(len(reports) - 1)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         end = time.perf_counter()

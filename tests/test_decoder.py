@@ -55,7 +55,9 @@ def test_batched_ppd_equals_single_prompts():
     rng = random.Random(5)
     prompts = [[rng.randrange(24) for _ in range(rng.randint(1, 15))] for _ in range(4)]
     config = DecodeConfig(max_new_tokens=30, stop_on_eos=False)
-    batched = decoder.generate(prompts, config)
+    seen = []
+    batched = decoder.generate(prompts, config, on_report=seen.append)
+    assert seen == list(range(1 + max(o.steps for o in batched)))  # the prefill's report, then one a pass
     for prompt, out in zip(prompts, batched):
         assert out.token_ids == decoder.generate(prompt, config).token_ids
         assert out.token_ids == hf_greedy(model, prompt, 30)

@@ -4,6 +4,7 @@ import importlib.util
 import json
 
 import pytest
+import torch
 
 from eval import long_context
 from eval.long_context import ContextError, check_contexts
@@ -32,9 +33,44 @@ def test_contexts_that_cannot_run_exit_2_with_one_line(capsys):
 def test_the_table_gives_the_peak_and_its_rise_over_what_was_allocated_before():
     gib = 2 ** 30
     assert long_context._gib({"peak_memory_bytes": 10 * gib, "peak_rise_bytes": gib // 2}) == "10.0 (+0.5)"
+    assert long_context._gib({"peak_memory_bytes": 10 * gib, "peak_rise_bytes": gib // 2,
+                              "step_rise_bytes": gib // 100}) == "10.0 (+0.5, steps +0.01)"
     assert long_context._gib({"peak_memory_bytes": 3 * gib}) == "3.0"  # a file written before the rise was kept
     assert long_context._gib({"peak_memory_bytes": None, "peak_rise_bytes": None}) == "-"
     assert long_context._gib({"error": "out of memory at batch 32"}) == "OOM"
+
+
+def test_step_memory_tells_the_steps_rise_from_the_prefills(monkeypatch):
+    """StepMemory's arithmetic on the allocator's counters (a GPU's; here set by hand, no device): the peak, its
+    rise over the start, and the steps' rise over what was allocated once the prefill had reported."""
+    counters = {"allocated": 0, "peak": 0}
+
+    def allocate(n):
+        counters["allocated"] += n
+        counters["peak"] = max(counters["peak"], counters["allocated"])
+
+    def reset(device=None):
+        counters["peak"] = counters["allocated"]
+
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: counters["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: counters["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    memory = long_context.StepMemory(torch.device("cuda"))
+    allocate(100)  # weights and cache
+    for prefill, kept, step in ((50, 10, 3), (70, 5, 1)):  # two samples
+        memory.start()
+        allocate(prefill)  # the prefill's working memory, freed but for what it keeps
+        allocate(kept - prefill)
+        memory.on_report(0)
+        for i in range(1, 4):
+            allocate(step)  # a step's working memory
+            allocate(-step)
+            memory.on_report(i)
+        memory.stop()
+        allocate(-kept)
+    assert memory.figures() == {"peak_memory_bytes": 170, "peak_rise_bytes": 70, "step_rise_bytes": 3}
+    assert long_context.StepMemory(torch.device("cpu")).figures() == {
+        "peak_memory_bytes": None, "peak_rise_bytes": None, "step_rise_bytes": None}
 
 
 def test_an_end_to_end_run_on_the_cpu(tmp_path, capsys):
@@ -59,6 +95,7 @@ def test_an_end_to_end_run_on_the_cpu(tmp_path, capsys):
             assert row["prefill_s"] < row["wall_time_s"]  # time on a loaded machine may exceed the whole run's
         assert row["decode_tokens_per_s"] is None or row["decode_tokens_per_s"] > 0
         assert row["peak_memory_bytes"] is None and row["peak_rise_bytes"] is None  # no GPU
+        assert row["step_rise_bytes"] is None
         assert row["identical_to_reference"] == 1.0, (batch, method)
         assert (row["steps"] is None) == (method == "hf_static")
         if method == "hf_static":
