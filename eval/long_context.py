@@ -206,7 +206,9 @@ class StepMemory:
     and, where the engine reports its prefill (``on_report``), the steps' own over what was allocated once the
     prefill's report arrived (so a step's working memory, the tree's included, is told apart from the prefill's).
     The allocator's figures are the host's own bookkeeping: reading them waits for nothing on the device. Every
-    figure is None off a GPU."""
+    figure is None off a GPU. Captured steps keep their working memory in their graphs' pools, allocated when the
+    warm-up captured them and counted in what was allocated before: there the steps' rise is only what a replay
+    allocates outside them; ``--capture eager`` gives a step's whole working memory."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
