@@ -16,6 +16,7 @@ functional code), and the prefill's peak rise. Takes ``eval.long_context``'s opt
 from __future__ import annotations
 
 import json
+import linecache
 import sys
 
 import torch
@@ -27,13 +28,19 @@ from ppd.cli import load_decoder_or_exit, tree_files
 from ppd.config import DecodeConfig
 from ppd.long_prompts import long_prompts
 
-KEPT_FRAMES = ("/ppd/", "/transformers/", "torch/nn/functional.py", "torch/_inductor/", "torch/_dynamo/")
+# This project's code, the libraries' that make attention, and Inductor's generated modules (in the machine's
+# Inductor cache, $TORCHINDUCTOR_CACHE_DIR, or under /tmp/torchinductor_<user>), whose line is the allocation itself.
+KEPT_FRAMES = ("/ppd/", "/transformers/", "torch/nn/functional.py", "torch/_inductor/", "torch/_dynamo/", "inductor")
 
 
 def frames(event: dict, limit: int = 8) -> list[str]:
-    """The frames of an allocation worth reading: this project's and the libraries' that make attention."""
-    kept = [f"{f['filename'].split('site-packages/')[-1]}:{f['line']} {f['name']}" for f in event.get("frames", [])
-            if any(k in f["filename"] for k in KEPT_FRAMES)]
+    """The frames of an allocation worth reading, each with its source line where the file is at hand."""
+    kept = []
+    for f in event.get("frames", []):
+        if any(k in f["filename"] for k in KEPT_FRAMES):
+            text = linecache.getline(f["filename"], f["line"]).strip()
+            where = f"{f['filename'].split('site-packages/')[-1]}:{f['line']} {f['name']}"
+            kept.append(f"{where}: {text}" if text else where)
     return kept[:limit]
 
 
