@@ -153,8 +153,12 @@ def layout_tensors(lengths: torch.Tensor, cuts: torch.Tensor, counts: torch.Tens
     allowed = is_real[:, :, None] & is_real[:, None, :] & causal
     if n_rows:
         pair_mask = prompt_block_mask(num_prompt_tokens, num_ensemble, attention_type, device)  # made there
-        r = rel.clamp(min=0) % n_rows
-        pair = pair_mask[r[:, :, None], r[:, None, :]] & (block[:, :, None] == block[:, None, :])  # [B, Q, Q]
+        r = rel.clamp(min=0) % n_rows  # [B, Q]: each slot's row within its block
+        # pair_mask[r_q, r_k] for every pair: each query's row of the pair mask, then each key's column of it, by a
+        # gather through an expanded (uncopied) index. Indexing with both [B, Q, 1] and [B, 1, Q] made two
+        # [B, Q, Q] long tensors: 2 x 7.7 GiB for 16 prompts of 8K tokens on an H200 (results/deep_gpu/h200/v28/).
+        keys = r[:, None, :].expand(-1, width, -1)
+        pair = pair_mask[r].gather(2, keys) & (block[:, :, None] == block[:, None, :])  # [B, Q, Q]
         sees_prefix = is_real[:, None, :] & (slot[None, None, :] < cut[:, :, None])
         allowed |= is_prompt[:, :, None] & (sees_prefix | (is_prompt[:, None, :] & pair))
     is_pad = ~(is_real | is_prompt)

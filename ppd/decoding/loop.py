@@ -39,6 +39,10 @@ if TYPE_CHECKING:
     from ..decoder import Decoder
 
 MIN_WIDTH = 256  # the narrowest attention width a captured step is made for
+# A prefill's width is rounded up to a multiple of this where the cache has room. SDPA's memory-efficient kernel, the
+# one a masked prefill gets on a GPU, copies a mask whose rows are not a multiple of 16 long into a padded one, in
+# every layer: 30 copies of 1.9 GiB for 16 prompts of 8K tokens on an H200 (results/deep_gpu/h200/v28/).
+PREFILL_WIDTH_MULTIPLE = 16
 
 
 class PromptTooLongError(ValueError):
@@ -273,6 +277,15 @@ def prefill_logits(lm: LanguageModel, state: DecodeState, embeds: torch.Tensor, 
     return lm.logits(hidden.gather(1, read[..., None].expand(-1, -1, hidden.shape[-1])))
 
 
+def prefill_width_multiple(batch: list[list[int]], prompt_rows: int, capacity: int) -> int:
+    """What a prefill of ``batch`` with ``prompt_rows`` prompt rows a prompt rounds its width up to:
+    :data:`PREFILL_WIDTH_MULTIPLE` where the rounded width fits the cache's ``capacity``, else 1 (its padding slots
+    see only themselves and write cache slots past each row's length, which no step attends)."""
+    need = max(len(x) for x in batch) + prompt_rows
+    rounded = -(-need // PREFILL_WIDTH_MULTIPLE) * PREFILL_WIDTH_MULTIPLE
+    return PREFILL_WIDTH_MULTIPLE if rounded <= capacity else 1
+
+
 @functools.cache
 def compiled_prefill():
     """:func:`prefill_logits` compiled with every size symbolic (rows, prompt width, cache capacity), shared by
@@ -302,7 +315,8 @@ def prefill(decoder: "Decoder", batch: list[list[int]], state: DecodeState, use_
     if found is not None:
         rows, lengths = found
     else:
-        inputs = build_prefill(decoder.model, batch, table, n_prompt, V, attention)
+        inputs = build_prefill(decoder.model, batch, table, n_prompt, V, attention,
+                               width_multiple=prefill_width_multiple(batch, n_prompt * V, state.kv.capacity))
         state.kv.reserve(inputs.width)
         read = inputs.keep[inputs.where]  # [n, 1 + N*V]: each row's last token and its prompt rows (one cut a row)
         args = (decoder.lm, state, inputs.embeds, inputs.mask, inputs.positions, read, inputs.prompt_rows)
