@@ -36,9 +36,15 @@ every stream, so at high concurrency its own delay becomes part of what it measu
 - **end-to-end**: time to the end of the stream (``data: [DONE]``).
 - **output tokens/s**: completion tokens (the server's ``usage``) of all counted requests / wall time of
   the level (from its first request sent to its last stream ended); **requests/s** likewise.
+- **busy tokens/s**: the tokens that arrived before the level's last counted request was sent, over that time.
+  Until then every client has a request in flight; after it the level drains, clients going idle one by one as
+  their last answers end, so the whole level's tokens/s mixes the load asked for with a tail at lower
+  concurrency (where PPD's lead is larger). None where the last request was sent at the start (requests <=
+  clients).
 - **accept length**: completion tokens / decoding steps, summed over the level's requests from the
   ``ppd`` field of the last chunk; **tokens/chunk**: completion tokens / content chunks, as the client sees it.
 - for ``ppd``: ``throughput_vs_baseline`` (its tokens/s over the baseline's at the same level),
+  ``busy_throughput_vs_baseline`` (the same for busy tokens/s),
   ``p99_itl_vs_baseline`` (its p99 ITL over the baseline's) and ``same_text_as_baseline`` (the fraction of
   its answers identical to the baseline's answer to the same prompt at that level).
 
@@ -202,6 +208,7 @@ def summarize(records: list[dict], wall_s: float) -> dict:
         "requests": len(records), "completed": len(ok), "errors": len(records) - len(ok), "wall_s": wall_s,
         "completion_tokens": tokens,
         "output_tokens_per_s": tokens / wall_s if wall_s > 0 else None,
+        "busy_tokens_per_s": busy_tokens_per_s(ok, [r.get("sent_s") for r in records]),
         "requests_per_s": len(ok) / wall_s if wall_s > 0 else None,
         "ttft_mean_s": mean(ttft), "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
         "itl_mean_s": mean(itl), "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
@@ -211,6 +218,17 @@ def summarize(records: list[dict], wall_s: float) -> dict:
         "accept_length": stepped_tokens / sum(steps) if steps else None,
         "tokens_per_chunk": tokens / chunks if chunks else None,
     }
+
+
+def busy_tokens_per_s(ok: list[dict], sent: list[float | None]) -> float | None:
+    """Tokens/s of the completed requests ``ok`` while every client had a request in flight: those whose chunks
+    arrived before the last request was sent (``sent``, every counted request's send time, seconds since the
+    level began), over that time. None where any send time is unknown or the last came at the very start."""
+    if not sent or any(t is None for t in sent) or max(sent) <= 0:
+        return None
+    end = max(sent)
+    tokens = sum(n for r in ok for t, n in zip(r["chunk_times_s"], r["chunk_tokens"]) if r["sent_s"] + t < end)
+    return tokens / end
 
 
 def compare_with_baseline(rows: list[dict], records: list[dict]) -> None:
@@ -224,6 +242,7 @@ def compare_with_baseline(rows: list[dict], records: list[dict]) -> None:
         if row["method"] == "baseline" or base is None:
             continue
         row["throughput_vs_baseline"] = _ratio(row["output_tokens_per_s"], base["output_tokens_per_s"])
+        row["busy_throughput_vs_baseline"] = _ratio(row.get("busy_tokens_per_s"), base.get("busy_tokens_per_s"))
         row["p99_itl_vs_baseline"] = _ratio(row["itl_p99_s"], base["itl_p99_s"])
         mine = [r for r in records if r["method"] == row["method"] and r["clients"] == row["clients"]
                 and not r.get("error") and not r.get("warmup") and (r["clients"], r["prompt_index"]) in answers]
@@ -563,19 +582,22 @@ def _fmt(value, spec: str, scale: float = 1.0) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| clients | method | done/errors | tokens/s | req/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
-             "chunk gap p50 / p99 ms | TPOT ms | accept length | tokens/s vs baseline | p99 ITL vs baseline | "
-             "same text as baseline |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| clients | method | done/errors | tokens/s | busy tokens/s | req/s | TTFT p50 / p99 ms | "
+             "ITL p50 / p99 ms | chunk gap p50 / p99 ms | TPOT ms | accept length | tokens/s vs baseline (busy) | "
+             "p99 ITL vs baseline | same text as baseline |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['clients']} | {r['method']} | {r['completed']}/{r['errors']} | "
-            f"{_fmt(r['output_tokens_per_s'], '{:.1f}')} | {_fmt(r['requests_per_s'], '{:.2f}')} | "
+            f"{_fmt(r['output_tokens_per_s'], '{:.1f}')} | {_fmt(r.get('busy_tokens_per_s'), '{:.1f}')} | "
+            f"{_fmt(r['requests_per_s'], '{:.2f}')} | "
             f"{_fmt(r['ttft_p50_s'], '{:.1f}', 1e3)} / {_fmt(r['ttft_p99_s'], '{:.1f}', 1e3)} | "
             f"{_fmt(r['itl_p50_s'], '{:.1f}', 1e3)} / {_fmt(r['itl_p99_s'], '{:.1f}', 1e3)} | "
             f"{_fmt(r['chunk_gap_p50_s'], '{:.1f}', 1e3)} / {_fmt(r['chunk_gap_p99_s'], '{:.1f}', 1e3)} | "
             f"{_fmt(r['tpot_mean_s'], '{:.1f}', 1e3)} | {_fmt(r['accept_length'], '{:.2f}')} | "
-            f"{_fmt(r.get('throughput_vs_baseline'), '{:.2f}x')} | {_fmt(r.get('p99_itl_vs_baseline'), '{:.2f}x')} | "
+            f"{_fmt(r.get('throughput_vs_baseline'), '{:.2f}x')} "
+            f"({_fmt(r.get('busy_throughput_vs_baseline'), '{:.2f}x')}) | "
+            f"{_fmt(r.get('p99_itl_vs_baseline'), '{:.2f}x')} | "
             f"{_fmt(r.get('same_text_as_baseline'), '{:.0%}')} |")
     return "\n".join(lines)
 

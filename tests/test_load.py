@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from eval import load
-from eval.load import (TokenCounter, chunk_gaps, compare_with_baseline, finish_record, percentile, split_tokens,
-                       summarize, token_latencies)
+from eval.load import (TokenCounter, busy_tokens_per_s, chunk_gaps, compare_with_baseline, finish_record, percentile,
+                       split_tokens, summarize, token_latencies)
 
 
 # ---------------------------------------------------------------------------------------------- metrics
@@ -107,16 +107,32 @@ def test_summary_of_hand_made_requests():
     assert empty["completed"] == 0 and empty["ttft_p50_s"] is None and empty["output_tokens_per_s"] == 0.0
 
 
+def test_busy_throughput_counts_only_what_arrived_before_the_last_request_was_sent():
+    # Two clients, three requests: the third is sent at 0.5 s, when the first ends; the level then drains.
+    first = {**record("ppd", 2, 0, [0.1, 0.3, 0.5], [2, 2, 2], 0.5), "sent_s": 0.0}
+    second = {**record("ppd", 2, 1, [0.2, 0.9], [1, 3], 0.9), "sent_s": 0.0}  # its 3 tokens arrive at 0.9 s
+    third = {**record("ppd", 2, 2, [0.1, 0.4], [4, 4], 0.4), "sent_s": 0.5}  # all of it after 0.5 s
+    ok = [first, second, third]
+    assert busy_tokens_per_s(ok, [0.0, 0.0, 0.5]) == pytest.approx((2 + 2 + 1) / 0.5)  # the chunk at 0.5 s is out
+    s = summarize(ok, wall_s=0.9)
+    assert s["busy_tokens_per_s"] == pytest.approx(10.0) and s["output_tokens_per_s"] == pytest.approx(18 / 0.9)
+    assert busy_tokens_per_s(ok[:2], [0.0, 0.0]) is None  # every request sent at once: no busy window
+    assert summarize([record("ppd", 1, 0, [0.1], [1], 0.1)], wall_s=0.1)["busy_tokens_per_s"] is None  # no send times
+
+
 def test_ratios_to_the_baseline_of_the_same_level():
     records = [record("baseline", 1, 0, [0.1, 0.2], [1, 1], 0.2, text="a"),
                record("baseline", 1, 1, [0.1, 0.2], [1, 1], 0.2, text="b"),
                record("ppd", 1, 0, [0.1, 0.2], [1, 1], 0.2, text="a"),
                record("ppd", 1, 1, [0.1, 0.2], [1, 1], 0.2, text="c")]
-    rows = [{"clients": 1, "method": "baseline", "output_tokens_per_s": 100.0, "itl_p99_s": 0.02},
-            {"clients": 1, "method": "ppd", "output_tokens_per_s": 250.0, "itl_p99_s": 0.01},
+    rows = [{"clients": 1, "method": "baseline", "output_tokens_per_s": 100.0, "busy_tokens_per_s": 80.0,
+             "itl_p99_s": 0.02},
+            {"clients": 1, "method": "ppd", "output_tokens_per_s": 250.0, "busy_tokens_per_s": 160.0,
+             "itl_p99_s": 0.01},
             {"clients": 4, "method": "ppd", "output_tokens_per_s": 250.0, "itl_p99_s": 0.01}]
     compare_with_baseline(rows, records)
     assert rows[1]["throughput_vs_baseline"] == 2.5 and rows[1]["p99_itl_vs_baseline"] == 0.5
+    assert rows[1]["busy_throughput_vs_baseline"] == 2.0
     assert rows[1]["same_text_as_baseline"] == 0.5
     assert "throughput_vs_baseline" not in rows[0] and "throughput_vs_baseline" not in rows[2]  # no baseline at 4
 
