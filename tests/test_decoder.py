@@ -369,3 +369,24 @@ def test_prefill_runs_without_cudnn_attention_and_steps_with_it():
         handle.remove()
     assert seen[0] is False and len(seen) > 1 and all(seen[1:])  # the prefill, then every step
     assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_a_prefill_rounds_its_width_to_sixteen_slots_only_where_the_cache_has_room(monkeypatch):
+    from ppd.decoding import loop
+    from ppd.decoding.loop import PREFILL_WIDTH_MULTIPLE, prefill_width_multiple
+
+    assert PREFILL_WIDTH_MULTIPLE == 16
+    assert prefill_width_multiple([[1] * 29, [1] * 7], prompt_rows=3, capacity=300) == 16  # 32 slots fit
+    assert prefill_width_multiple([[1] * 29], prompt_rows=3, capacity=32) == 16
+    assert prefill_width_multiple([[1] * 30], prompt_rows=3, capacity=40) == 1  # 48 would pass the cache's end
+    # Rounded prefills (padding slots past each row's prompt rows) decode as transformers does, up to the longest
+    # prompt the decoder takes.
+    chosen = []
+    monkeypatch.setattr(loop, "prefill_width_multiple",
+                        lambda *args: chosen.append(prefill_width_multiple(*args)) or chosen[-1])
+    model = tiny_model(seed=4)
+    decoder = Decoder(model, random_prompt_tokens(model, 3, 1, seed=4), random_tree_set(4), max_seq_len=64)
+    for length in (20, 57):
+        prompt = [random.Random(length).randrange(1, model.config.vocab_size) for _ in range(length)]
+        out = decoder.generate(prompt, DecodeConfig(max_new_tokens=6, stop_on_eos=False))
+        assert chosen[-1] == 16 and out.token_ids == hf_greedy(model, prompt, 6)
