@@ -132,6 +132,31 @@ def cut_table(cuts: list[list[int]], columns: int | None = None) -> list[list[in
     return [row + [0] * (columns - len(row)) for row in cuts]
 
 
+def _slot_roles(lengths: torch.Tensor, cuts: torch.Tensor, counts: torch.Tensor, width: int, n_rows: int):
+    """Per slot of :func:`layout_tensors`' layout, [B, Q] each: its slot number (``[1, Q]``), whether it holds a
+    real token, its offset past the real tokens, which cut's block it is in, whether it is a prompt row, and that
+    cut (meaningful on prompt rows)."""
+    most = cuts.shape[1]
+    slot = torch.arange(width, device=lengths.device)[None, :]
+    length = lengths[:, None]  # [B, 1]
+    is_real = slot < length  # [B, Q]
+    rel = slot - length  # [B, Q]: offset past the real tokens
+    block = rel.clamp(min=0) // max(n_rows, 1)  # which cut a prompt row belongs to
+    is_prompt = (rel >= 0) & (block < counts[:, None]) if n_rows else torch.zeros_like(is_real)
+    cut = cuts.gather(1, block.clamp(max=max(most - 1, 0)))  # [B, Q], meaningful on prompt rows
+    return slot, is_real, rel, block, is_prompt, cut
+
+
+def _positions(roles, n_rows: int, num_ensemble: int) -> torch.Tensor:
+    """Position ids [B, Q] from :func:`_slot_roles`: a real token's slot, a prompt row's cut plus its prompt token's
+    index, 0 on padding."""
+    slot, is_real, rel, _, is_prompt, cut = roles
+    positions = torch.where(is_real, slot, torch.zeros_like(slot).expand_as(is_real))
+    if n_rows:
+        positions = torch.where(is_prompt, cut + (rel.clamp(min=0) % n_rows) // num_ensemble, positions)
+    return positions
+
+
 def layout_tensors(lengths: torch.Tensor, cuts: torch.Tensor, counts: torch.Tensor, width: int,
                    num_prompt_tokens: int, num_ensemble: int, attention_type: AttentionType | str,
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,14 +165,9 @@ def layout_tensors(lengths: torch.Tensor, cuts: torch.Tensor, counts: torch.Tens
     captured training step builds its layout in the graph from these few numbers."""
     device = lengths.device
     n_rows = num_prompt_tokens * num_ensemble
-    most = cuts.shape[1]
-    slot = torch.arange(width, device=device)
-    length = lengths[:, None]  # [B, 1]
-    is_real = slot[None, :] < length  # [B, Q]
-    rel = slot[None, :] - length  # [B, Q]: offset past the real tokens
-    block = rel.clamp(min=0) // max(n_rows, 1)  # which cut a prompt row belongs to
-    is_prompt = (rel >= 0) & (block < counts[:, None]) if n_rows else torch.zeros_like(is_real)
-    cut = cuts.gather(1, block.clamp(max=max(most - 1, 0)))  # [B, Q], meaningful on prompt rows
+    roles = _slot_roles(lengths, cuts, counts, width, n_rows)
+    slot, is_real, rel, block, is_prompt, cut = roles
+    slot = slot[0]
 
     causal = slot[None, :, None] >= slot[None, None, :]  # [1, Q, Q] query >= key
     allowed = is_real[:, :, None] & is_real[:, None, :] & causal
@@ -163,11 +183,23 @@ def layout_tensors(lengths: torch.Tensor, cuts: torch.Tensor, counts: torch.Tens
         allowed |= is_prompt[:, :, None] & (sees_prefix | (is_prompt[:, None, :] & pair))
     is_pad = ~(is_real | is_prompt)
     allowed |= is_pad[:, :, None] & torch.eye(width, dtype=torch.bool, device=device)[None]
+    return allowed, _positions(roles, n_rows, num_ensemble)
 
-    positions = torch.where(is_real, slot[None, :], torch.zeros_like(slot)[None, :].expand_as(is_real))
-    if n_rows:
-        positions = torch.where(is_prompt, cut + (rel.clamp(min=0) % n_rows) // num_ensemble, positions)
-    return allowed, positions
+
+def layout_positions(lengths: torch.Tensor, cuts: torch.Tensor, counts: torch.Tensor, width: int,
+                     num_prompt_tokens: int, num_ensemble: int) -> torch.Tensor:
+    """The position ids of :func:`layout_tensors`' layout alone, without its ``[B, Q, Q]`` mask."""
+    n_rows = num_prompt_tokens * num_ensemble
+    return _positions(_slot_roles(lengths, cuts, counts, width, n_rows), n_rows, num_ensemble)
+
+
+def causal_prompt_rows(num_prompt_tokens: int, num_ensemble: int, attention_type: AttentionType | str) -> bool:
+    """Whether each prompt row sees exactly the prompt rows at or before its own slot: then a layout with one cut
+    at the end of every row (a decoder's prefill, :func:`prefill_layout`) allows each real token and prompt row
+    exactly the keys of plain causal attention over the slots (padding aside, which sees only itself there and
+    whose outputs and cache slots nothing reads)."""
+    pair = prompt_block_mask(num_prompt_tokens, num_ensemble, attention_type)
+    return bool(torch.equal(pair, torch.ones_like(pair).tril()))
 
 
 def prompt_rows_layout(lengths: torch.Tensor, cuts: torch.Tensor, counts: torch.Tensor, width: int,

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import LayerAttention, check_cuts, cut_table, layout_tensors, packed_width, to_additive, within_window
+from .attention import (LayerAttention, check_cuts, cut_table, layout_positions, layout_tensors, packed_width,
+                        to_additive, within_window)
 from .config import AttentionType
 from .deep_prompts import prompt_row_index
 from .uploads import upload
@@ -95,12 +96,19 @@ def plan_prefill(batch: list[list[int]], num_prompt_tokens: int, num_ensemble: i
 
 
 def prefill_inputs(model, plan: PrefillPlan, prompt_table: torch.Tensor | None, num_prompt_tokens: int,
-                   num_ensemble: int = 1, attention_type: AttentionType | str = AttentionType.ENSEMBLE) -> PrefillInputs:
+                   num_ensemble: int = 1, attention_type: AttentionType | str = AttentionType.ENSEMBLE,
+                   causal: bool = False) -> PrefillInputs:
     """The forward's inputs from a plan on the model's device, by device work alone (nothing is read back, so a
     captured training step runs this in its graph), with the ``prompt_table`` rows ([N * V, hidden], any dtype;
-    gradients flow into it) scattered into each cut's block (None: the plan's prompt slots hold embeddings of id 0)."""
-    allowed, positions = layout_tensors(plan.lengths, plan.cuts, plan.counts, plan.width, num_prompt_tokens,
-                                        num_ensemble, attention_type)
+    gradients flow into it) scattered into each cut's block (None: the plan's prompt slots hold embeddings of id 0).
+    ``causal``: the forward runs plain causal attention (``ppd.decoding.causal_prefill``), so no mask is built; the
+    ``mask`` is a zero view of the mask's shape that takes no memory, for the model to pass along unread."""
+    if causal:
+        positions = layout_positions(plan.lengths, plan.cuts, plan.counts, plan.width, num_prompt_tokens,
+                                     num_ensemble)
+    else:
+        allowed, positions = layout_tensors(plan.lengths, plan.cuts, plan.counts, plan.width, num_prompt_tokens,
+                                            num_ensemble, attention_type)
     embeds = model.get_input_embeddings()(plan.ids)
     n_rows = num_prompt_tokens * num_ensemble
     prompt_rows = None
@@ -110,8 +118,14 @@ def prefill_inputs(model, plan: PrefillPlan, prompt_table: torch.Tensor | None, 
         prompt_rows = prompt_row_index(is_prompt, rel.clamp(min=0) % n_rows)
         embeds = torch.where(is_prompt[..., None], prompt_embeddings(prompt_rows, prompt_table, embeds.dtype), embeds)
     layers = LayerAttention.of(model.config)
-    masks = {kind: to_additive((allowed if window is None else allowed & within_window(positions, positions, window)
-                                )[:, None], embeds.dtype) for kind, window in layers.kinds.items()}
+    if causal:
+        rows, width = plan.ids.shape
+        unread = embeds.new_zeros(()).expand(rows, 1, width, width)
+        masks = {kind: unread for kind in layers.kinds}
+    else:
+        masks = {kind: to_additive((allowed if window is None else
+                                    allowed & within_window(positions, positions, window))[:, None], embeds.dtype)
+                 for kind, window in layers.kinds.items()}
     return PrefillInputs(embeds, layers.pack(masks), positions, plan.lengths, plan.keep, plan.where, plan.cut_rows,
                          prompt_rows)
 
@@ -127,15 +141,16 @@ def prompt_embeddings(prompt_rows: torch.Tensor, prompt_table: torch.Tensor, dty
 
 def build_prefill(model, batch: list[list[int]], prompt_table: torch.Tensor | None, num_prompt_tokens: int,
                   num_ensemble: int = 1, attention_type: AttentionType | str = AttentionType.ENSEMBLE,
-                  cuts: list[list[int]] | None = None, width_multiple: int = 1) -> PrefillInputs:
+                  cuts: list[list[int]] | None = None, width_multiple: int = 1, causal: bool = False) -> PrefillInputs:
     """Inputs of one prefill forward over ``batch`` (lists of token ids) with the ``prompt_table`` rows
     ([N * V, hidden], any dtype; gradients flow into it) appended after each row's tokens, or, with
     ``cuts``, one block of them per cut ``c`` of a row, reading that row's first ``c`` tokens. The width is
-    rounded up to a multiple of ``width_multiple`` with padding. (The plan is made on the host and uploaded
-    without waiting for the device.)"""
+    rounded up to a multiple of ``width_multiple`` with padding. ``causal``: see :func:`prefill_inputs`. (The plan is
+    made on the host and uploaded without waiting for the device.)"""
     plan = plan_prefill(batch, num_prompt_tokens, num_ensemble, cuts, width_multiple, prompt_table is not None)
     device = model.get_input_embeddings().weight.device
-    return prefill_inputs(model, plan.upload(device), prompt_table, num_prompt_tokens, num_ensemble, attention_type)
+    return prefill_inputs(model, plan.upload(device), prompt_table, num_prompt_tokens, num_ensemble, attention_type,
+                          causal)
 
 
 def average_copies(prompt_logits: torch.Tensor, num_prompt_tokens: int, num_ensemble: int) -> torch.Tensor:

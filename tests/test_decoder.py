@@ -234,6 +234,14 @@ def test_a_tree_guessing_past_the_vocabulary_is_refused_at_construction():
         Decoder(model, random_prompt_tokens(model, n=1), trees)
 
 
+def assert_same_cache_rows(state, expected, batch, prompt_rows: int) -> None:
+    """Two states' caches hold the same keys and values in each row's own slots (its tokens, then its prompt
+    rows); a padding slot's contents are never read and may differ."""
+    for a, b in zip(expected.kv.buffers(), state.kv.buffers()):
+        for row, ids in enumerate(batch):
+            torch.testing.assert_close(b[row, :, :len(ids) + prompt_rows], a[row, :, :len(ids) + prompt_rows])
+
+
 def test_a_compiled_prefill_leaves_the_state_the_eager_one_does(monkeypatch):
     """With ``PPD_COMPILED_PREFILL=1`` CUDA's compiled modes prefill through one compiled forward: the state it
     leaves (cache, lengths, roots, guesses) is the eager prefill's, for one row and for rows of different
@@ -275,9 +283,7 @@ def test_a_compiled_prefill_leaves_the_state_the_eager_one_does(monkeypatch):
                 prefill(decoder, batch, state, use_ppd, StepKind(tree=False), compiled)
             states.append(state)
         eager, compiled = states
-        width = max(map(len, batch)) + (6 if use_ppd else 0)
-        for a, b in zip(eager.kv.buffers(), compiled.kv.buffers()):
-            torch.testing.assert_close(b[:, :, :width], a[:, :, :width])
+        assert_same_cache_rows(compiled, eager, batch, 6 if use_ppd else 0)
         for name in ("lengths", "root", "key", "report"):
             assert torch.equal(getattr(compiled, name), getattr(eager, name)), name
         if use_ppd:
@@ -329,9 +335,7 @@ def test_a_prefill_padded_for_its_graph_leaves_the_state_the_eager_one_does(monk
     assert not graphs._graphs
     for use_ppd, batch in [(True, b) for b in batches] + [(False, batches[1]), (False, batches[4])]:
         exact, through = prefilled(eager, batch, use_ppd), prefilled(padded, batch, use_ppd, graphs)
-        width = max(map(len, batch)) + (6 if use_ppd else 0)
-        for a, b in zip(exact.kv.buffers(), through.kv.buffers()):
-            torch.testing.assert_close(b[:, :, :width], a[:, :, :width])
+        assert_same_cache_rows(through, exact, batch, 6 if use_ppd else 0)
         for name in ("lengths", "root", "key", "report", "guesses"):
             assert torch.equal(getattr(through, name), getattr(exact, name)), name
     # Buffers by (state, rows, width, prompt tokens or not): the second one-row PPD prompt of 64 slots reused the

@@ -15,6 +15,7 @@ after the last row stopped, and it changes nothing a row reports.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections import deque
@@ -29,7 +30,7 @@ from ..config import CaptureMode, DecodeConfig, DecodeMethod
 from ..downloads import Download
 from ..prefill import average_copies, build_prefill
 from .graphs import StepRunner, captures_graphs, compile_limits, compiles_prefill, inductor_options, resolve_mode
-from . import lookup
+from . import causal_prefill, lookup
 from .prefill_graphs import PrefillGraphs
 from .state import LENGTH, MAX_LENGTH, REASONS, REPORT_HEAD, DecodeState
 from .step import LanguageModel, StepKind, next_tokens, set_guesses, start_rows
@@ -315,12 +316,17 @@ def prefill(decoder: "Decoder", batch: list[list[int]], state: DecodeState, use_
     if found is not None:
         rows, lengths = found
     else:
+        # An eager prefill runs as plain causal attention where its layout allows (``causal_prefill``); a compiled
+        # one keeps the mask its compiled graph was traced with.
+        causal = not compiled and causal_prefill.applies(decoder.model.config, n_prompt, V, attention)
         inputs = build_prefill(decoder.model, batch, table, n_prompt, V, attention,
-                               width_multiple=prefill_width_multiple(batch, n_prompt * V, state.kv.capacity))
+                               width_multiple=prefill_width_multiple(batch, n_prompt * V, state.kv.capacity),
+                               causal=causal)
         state.kv.reserve(inputs.width)
         read = inputs.keep[inputs.where]  # [n, 1 + N*V]: each row's last token and its prompt rows (one cut a row)
         args = (decoder.lm, state, inputs.embeds, inputs.mask, inputs.positions, read, inputs.prompt_rows)
-        with plan_free_sdpa():
+        switched = causal_prefill.switched(decoder.model.config) if causal else contextlib.nullcontext()
+        with plan_free_sdpa(), switched:
             if compiled and not state.kv.allocated:
                 prefill_logits(*args)  # the first forward into a state allocates its cache: eagerly, once
             if compiled:
