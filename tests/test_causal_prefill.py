@@ -15,7 +15,7 @@ BATCH = [[5, 9, 2, 7, 7, 1, 4, 4, 11, 3, 6], [3, 8, 1], [12, 2, 2, 9, 20, 17]]
 
 
 def prefilled(decoder, batch, use_ppd: bool):
-    """A state after prefilling ``batch``, and the logits of each row's last token and prompt rows."""
+    """The state ``decoder`` leaves after prefilling ``batch`` (its cache, lengths, first tokens and guesses)."""
     state = decoder.states.acquire(len(batch))
     reset_rows(decoder, state, [len(x) for x in batch], DecodeConfig(max_new_tokens=8))
     with torch.no_grad():
