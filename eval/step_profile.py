@@ -45,6 +45,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=64, help="new tokens decoded under the profiler")
     parser.add_argument("--batch_size", type=int, default=1)
     parser.add_argument("--top", type=int, default=15, help="kernels listed per step kind")
+    parser.add_argument("--sequence", action="store_true",
+                        help="also list, per step kind, the kernels of one profiled step in the order they ran "
+                             "(the step in the middle of the profiled ones), to see what each layer launches")
     parser.add_argument("--output", default=None)
     return parser
 
@@ -60,6 +63,17 @@ def kernels_per_step(events, on_cpu: bool, steps: int) -> list[list]:
             entry[1] += event.self_cpu_time_total if on_cpu else event.time_range.elapsed_us()
     return sorted(([name, count / steps, total / steps] for name, (count, total) in table.items()),
                   key=lambda r: -r[2])
+
+
+def one_step_sequence(events, per_step: float, steps: int) -> list[str]:
+    """The device kernels of one step among ``steps`` profiled ones, in the order they started: the middle step's,
+    cut from the time-ordered kernels by ``per_step``, the mean count a step (steps launch the same kernels, so
+    the cut falls on a step's first kernel up to the few that vary, such as a sort's passes)."""
+    kernels = sorted((e for e in events if e.device_type != torch.autograd.DeviceType.CPU),
+                     key=lambda e: e.time_range.start)
+    count = round(per_step)
+    first = min(steps // 2, max(steps - 1, 0)) * count
+    return [e.name for e in kernels[first:first + count]]
 
 
 def profile_steps(decoder: Decoder, method: str, args: argparse.Namespace) -> dict:
@@ -87,10 +101,13 @@ def profile_steps(decoder: Decoder, method: str, args: argparse.Namespace) -> di
     # on a CPU the operators' own CPU time stands for the kernels'
     rows = kernels_per_step(profiler.events(), decoder.device.type == "cpu", steps)
     tables = decoder.tables_for_batch(len(batch), args.capture) if method == "ppd" else None
-    return {"method": method, "rows": tables.num_rows if tables is not None else 1, "steps": steps,
-            "wall_us_per_step": 1e6 * wall / steps, "kernels_per_step": sum(r[1] for r in rows),
-            "device_us_per_step": sum(r[2] for r in rows),
-            "top": [{"kernel": n, "calls_per_step": c, "us_per_step": t} for n, c, t in rows[: args.top]]}
+    result = {"method": method, "rows": tables.num_rows if tables is not None else 1, "steps": steps,
+              "wall_us_per_step": 1e6 * wall / steps, "kernels_per_step": sum(r[1] for r in rows),
+              "device_us_per_step": sum(r[2] for r in rows),
+              "top": [{"kernel": n, "calls_per_step": c, "us_per_step": t} for n, c, t in rows[: args.top]]}
+    if args.sequence and decoder.device.type != "cpu":
+        result["sequence"] = one_step_sequence(profiler.events(), result["kernels_per_step"], steps)
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
