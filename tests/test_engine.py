@@ -75,6 +75,48 @@ def test_one_compiled_tree_step_serves_tree_sets_of_every_size():
     assert _compiled_variants() == 1
 
 
+def test_static_tree_shapes_compile_a_step_per_tree_set_and_keep_the_batch_symbolic(monkeypatch):
+    """``PPD_TREE_SHAPES=static`` (the default on CUDA): each tree set compiles a tree step of its own, with its
+    sizes as constants (a second set does not turn them symbolic, which would bring back the copies
+    ``symbolic_tree_sizes`` describes), while batches of 2, 3 and 5 rows still share one step; every step gives the
+    eager step's tokens and steps, deep prompt tokens and a lookup chain included."""
+    monkeypatch.setenv("PPD_TREE_SHAPES", "static")
+    torch._dynamo.reset()
+    model = tiny_model(seed=25)
+    tokens = random_prompt_tokens(model, 3, 1, seed=25, deep=True)
+    rng = random.Random(25)
+    sets = (random_tree_set(seed=25, size=14), random_tree_set(seed=26, size=9).with_lookup(4))
+    for index, trees in enumerate(sets):
+        decoder = Decoder(model, tokens, trees, max_seq_len=200, packed_weights=False)
+        for size in (2, 3, 5):
+            prompts = [[rng.randrange(model.config.vocab_size) for _ in range(rng.randint(2, 30))] for _ in range(size)]
+            outputs = {}
+            for capture in ("eager", "compile"):
+                config = DecodeConfig(max_new_tokens=12, stop_on_eos=False, capture=capture)
+                outputs[capture] = [(o.token_ids, o.steps) for o in decoder.generate(prompts, config)]
+            assert outputs["compile"] == outputs["eager"], (index, size)
+        assert _compiled_variants() == index + 1
+
+
+def test_tree_shapes_follow_the_device_unless_told():
+    from ppd.decoding.graphs import symbolic_tree_sizes
+
+    import os
+    saved = os.environ.pop("PPD_TREE_SHAPES", None)
+    try:
+        assert symbolic_tree_sizes(torch.device("cpu")) and not symbolic_tree_sizes(torch.device("cuda"))
+        for value, expected in (("static", False), ("symbolic", True)):
+            os.environ["PPD_TREE_SHAPES"] = value
+            assert symbolic_tree_sizes(torch.device("cpu")) is expected is symbolic_tree_sizes(torch.device("cuda"))
+        os.environ["PPD_TREE_SHAPES"] = "dynamic"
+        with pytest.raises(ValueError, match="PPD_TREE_SHAPES must be auto, static or symbolic"):
+            symbolic_tree_sizes(torch.device("cpu"))
+    finally:
+        os.environ.pop("PPD_TREE_SHAPES", None)
+        if saved is not None:
+            os.environ["PPD_TREE_SHAPES"] = saved
+
+
 def test_every_batch_of_two_rows_or_more_shares_the_first_compiled_step():
     """The batch dimension is symbolic from the first compilation: batches of 2, 3 and 5 rows run one compiled
     variant per step kind (torch used to compile the first size as it was and recompile at the second, on a

@@ -136,8 +136,30 @@ def inductor_options(cudagraphs: bool = False) -> dict:
     return options
 
 
-def _mark_tree_sizes(tables: TreeTables, prompt_embeds: torch.Tensor) -> None:
-    """Tree rows, candidates, prompt rows, paths and depth vary between tree sets: keep them symbolic."""
+TREE_SHAPES_ENV = "PPD_TREE_SHAPES"  # static | symbolic | auto: whether a compiled step keeps a tree set's sizes
+
+
+def symbolic_tree_sizes(device: torch.device) -> bool:
+    """Whether a compiled tree step keeps its tree set's sizes (rows, candidates, paths, depth) symbolic, so that one
+    compilation serves every tree set, or compiles each tree set with its sizes as constants (``$PPD_TREE_SHAPES``;
+    ``auto``: constants on CUDA, symbolic elsewhere).
+
+    A step's rows are the root, the candidates and the prompt rows, ``1 + C + P`` of them: with C and P symbolic,
+    Inductor cannot show that a layer's ``[B, 1 + C + P, hidden]`` hidden states flatten to ``[B (1 + C + P),
+    hidden]`` as a view, and copies them before the first matrix product that reads them: the query projection's,
+    the gate projection's, the down projection's and the deep maps' inputs, four copies a layer (120 kernels a
+    step for the default model; a single symbolic row count, or a constant one, flattens as a view). On a GPU each
+    copy is a kernel of its own, about 2 us a launch: 9 % of a batch-16 tree step on an H100
+    (results/deep_gpu/h200/v29/). On a CPU Inductor writes the copy in the kernel that makes the hidden states,
+    where it costs little, and one compilation for every tree set spares the compile time."""
+    chosen = env_choice(TREE_SHAPES_ENV, ("auto", "static", "symbolic"), "auto")
+    return chosen == "symbolic" or (chosen == "auto" and device.type != "cuda")
+
+
+def _mark_tree_sizes(tables: TreeTables, prompt_embeds: torch.Tensor, symbolic: bool) -> None:
+    """Tree rows, candidates, prompt rows, paths and depth vary between tree sets: symbolic where ``symbolic``
+    (:func:`symbolic_tree_sizes`), else constants of each tree set's compilation (marked static, so that a second
+    tree set compiles a step of its own instead of turning the sizes symbolic)."""
     sized = [(tables.candidate_index, (1,)), (tables.parent_row, (1,)), (tables.is_candidate, (1,)), (tables.prompt_index, (1,)),
              (tables.position_offset, (1,)), (tables.allowed, (1, 2)), (tables.retrieve_indices, (1, 2)),
              (tables.retrieve_valid, (1, 2)), (tables.node_prompt_rows, (1,)), (tables.node_prompt_count, (1,)),
@@ -146,9 +168,10 @@ def _mark_tree_sizes(tables: TreeTables, prompt_embeds: torch.Tensor) -> None:
         sized += [(tables.prompt_owner, (1,)), (tables.prompt_level, (1,)), (tables.prompt_used, (1,))]
     if tables.lookup:  # where each set's lookup chain lies among its candidates (``ppd.decoding.lookup``)
         sized.append((tables.chain_node, (0,)))
+    mark = torch._dynamo.maybe_mark_dynamic if symbolic else torch._dynamo.mark_static
     for tensor, dims in sized:
         for dim in dims:
-            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+            mark(tensor, dim)
 
 
 class StepRunner:
@@ -183,8 +206,9 @@ class StepRunner:
         buffers = state.kv.buffers()
         if not self.lm.flex:
             # One compiled step serves every width (the length of ``slot_ids``), batch size of two or more
-            # rows, cache capacity and tree set (the row, candidate and path counts of its tables): those sizes
-            # are symbolic from the first compilation, not only after a second size made torch recompile
+            # rows, cache capacity and, where ``symbolic_tree_sizes``, tree set (the row, candidate and path
+            # counts of its tables): those sizes are symbolic from the first compilation, not only after a second
+            # size made torch recompile
             # (torch specialises a size of 1, so a batch of one row has a step of its own: padding it to two
             # rows spared that compilation but made the 64-row tree step 8-10% slower on an H100 and an H200).
             # A FlexAttention step always attends over the whole buffer and is compiled per tree set: Inductor
@@ -196,7 +220,7 @@ class StepRunner:
             for tensor in state.row_tensors():
                 torch._dynamo.maybe_mark_dynamic(tensor, 0)
             if tables is not None:
-                _mark_tree_sizes(tables, prompt_embeds)
+                _mark_tree_sizes(tables, prompt_embeds, symbolic_tree_sizes(self.device))
         if self.mode is CaptureMode.REDUCE_OVERHEAD and id(state) not in self._static:
             # torch's CUDA graphs accept in-place updates only of inputs whose address never changes.
             for tensor in [*state.small_tensors(), *state.kv.buffers(), state.slot_ids]:
