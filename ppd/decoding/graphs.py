@@ -150,7 +150,7 @@ def symbolic_tree_sizes(device: torch.device) -> bool:
     the gate projection's, the down projection's and the deep maps' inputs, four copies a layer (120 kernels a
     step for the default model; a single symbolic row count, or a constant one, flattens as a view). On a GPU each
     copy is a kernel of its own, about 2 us a launch: 9 % of a batch-16 tree step on an H100
-    (results/deep_gpu/h200/v29/). On a CPU Inductor writes the copy in the kernel that makes the hidden states,
+    (results/deep_gpu/h100/v29/). On a CPU Inductor writes the copy in the kernel that makes the hidden states,
     where it costs little, and one compilation for every tree set spares the compile time."""
     chosen = env_choice(TREE_SHAPES_ENV, ("auto", "static", "symbolic"), "auto")
     return chosen == "symbolic" or (chosen == "auto" and device.type != "cuda")

@@ -2,7 +2,8 @@
 # The thirty-second session's second lease: tree steps compiled with each tree set's sizes as constants
 # (PPD_TREE_SHAPES=static, now the default on CUDA) against symbolic sizes (the code before), where v29 found four
 # copies a layer. (1) The shipped policy's batch-16 step profiled both ways (kernels of one step in order);
-# (2) the continuous batcher at 16 rows, ppd (the policy) and baseline, both ways, where device time is left. Outputs in /root/res/v29b.
+# (2) the continuous batcher at 16 rows, ppd (the policy) and baseline, both ways, where device time is left.
+# Outputs in /root/res/v29b. Prepared in the thirty-second session and not run: no machine could be started.
 set -u
 source /root/tree/results/deep_gpu/lease/job_env.sh v29b
 T=results/lookup/trees

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The thirty-second session's first H200 lease: what a batch-16 tree step launches, kernel by kernel, before the
-# step is made cheaper. (1) The shipped policy's batch-16 step (the 32-row tree with a lookup chain of 8, 40 rows a
+# The thirty-second session's first lease (it came as one H100): what a batch-16 tree step launches, kernel by
+# kernel, before the step is made cheaper. (1) The shipped policy's batch-16 step (the 32-row tree with a lookup chain of 8, 40 rows a
 # batch row) and the one-row step, profiled with the kernels of one step in order (--sequence) and Inductor's
 # generated code in the log; (2) the same with one piece per attention program (PPD_SPLIT_TUNING=min_piece=4096:
 # no merge kernel at this context); (3) the same with the deep maps as low-rank products (PPD_DEEP_MAPS=low_rank).
