@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
 from eval import report
 from eval.benchmarks import load_benchmark
@@ -347,6 +348,23 @@ def test_cpu_speed_summary_on_hand_made_answers(tmp_path):
     text = cpu_speed.table(list(rows.values()))
     assert "| float32_ppd | eager | False | 2 | 16.0 | 2.00 | 2.00x | 4.00x | 50% | 50% |" in text
     assert "| reference | eager | False | 2 | 4.0 | 1.00 | - | 1.00x | - | 100% |" in text
+
+
+def test_the_step_sequence_is_one_steps_kernels_in_the_order_they_started():
+    """``eval.step_profile --sequence``: the middle profiled step's device kernels, ordered by their start, cut by
+    the mean count a step; host events are left out."""
+    from types import SimpleNamespace
+
+    from eval.step_profile import one_step_sequence
+
+    device, host = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    step = ["norm", "mm", "attention", "mm"]
+    events = [SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=10 * s + i))
+              for s in range(5) for i, name in enumerate([f"{n}{s}" for n in step])]
+    events += [SimpleNamespace(name="aten::mm", device_type=host, time_range=SimpleNamespace(start=i)) for i in range(7)]
+    shuffled = events[::-1]
+    assert one_step_sequence(shuffled, 4.0, 5) == ["norm2", "mm2", "attention2", "mm2"]
+    assert one_step_sequence(shuffled, 4.0, 1) == ["norm0", "mm0", "attention0", "mm0"]
 
 
 def test_step_latency_and_step_profile_on_the_real_model(tmp_path):
