@@ -72,7 +72,7 @@ def one_step_sequence(events, per_step: float, steps: int) -> list[str]:
     kernels = sorted((e for e in events if e.device_type != torch.autograd.DeviceType.CPU),
                      key=lambda e: e.time_range.start)
     count = round(per_step)
-    first = min(steps // 2, max(steps - 1, 0)) * count
+    first = steps // 2 * count
     return [e.name for e in kernels[first:first + count]]
 
 
@@ -99,14 +99,15 @@ def profile_steps(decoder: Decoder, method: str, args: argparse.Namespace) -> di
     profiler.stop()
     steps = max(max(progress.steps), 1)
     # on a CPU the operators' own CPU time stands for the kernels'
-    rows = kernels_per_step(profiler.events(), decoder.device.type == "cpu", steps)
+    events = profiler.events()
+    rows = kernels_per_step(events, decoder.device.type == "cpu", steps)
     tables = decoder.tables_for_batch(len(batch), args.capture) if method == "ppd" else None
     result = {"method": method, "rows": tables.num_rows if tables is not None else 1, "steps": steps,
               "wall_us_per_step": 1e6 * wall / steps, "kernels_per_step": sum(r[1] for r in rows),
               "device_us_per_step": sum(r[2] for r in rows),
               "top": [{"kernel": n, "calls_per_step": c, "us_per_step": t} for n, c, t in rows[: args.top]]}
     if args.sequence and decoder.device.type != "cpu":
-        result["sequence"] = one_step_sequence(profiler.events(), result["kernels_per_step"], steps)
+        result["sequence"] = one_step_sequence(events, result["kernels_per_step"], steps)
     return result
 
 

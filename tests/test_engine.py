@@ -98,23 +98,17 @@ def test_static_tree_shapes_compile_a_step_per_tree_set_and_keep_the_batch_symbo
         assert _compiled_variants() == index + 1
 
 
-def test_tree_shapes_follow_the_device_unless_told():
+def test_tree_shapes_follow_the_device_unless_told(monkeypatch):
     from ppd.decoding.graphs import symbolic_tree_sizes
 
-    import os
-    saved = os.environ.pop("PPD_TREE_SHAPES", None)
-    try:
-        assert symbolic_tree_sizes(torch.device("cpu")) and not symbolic_tree_sizes(torch.device("cuda"))
-        for value, expected in (("static", False), ("symbolic", True)):
-            os.environ["PPD_TREE_SHAPES"] = value
-            assert symbolic_tree_sizes(torch.device("cpu")) is expected is symbolic_tree_sizes(torch.device("cuda"))
-        os.environ["PPD_TREE_SHAPES"] = "dynamic"
-        with pytest.raises(ValueError, match="PPD_TREE_SHAPES must be auto, static or symbolic"):
-            symbolic_tree_sizes(torch.device("cpu"))
-    finally:
-        os.environ.pop("PPD_TREE_SHAPES", None)
-        if saved is not None:
-            os.environ["PPD_TREE_SHAPES"] = saved
+    monkeypatch.delenv("PPD_TREE_SHAPES", raising=False)
+    assert symbolic_tree_sizes(torch.device("cpu")) and not symbolic_tree_sizes(torch.device("cuda"))
+    for value, expected in (("static", False), ("symbolic", True)):
+        monkeypatch.setenv("PPD_TREE_SHAPES", value)
+        assert symbolic_tree_sizes(torch.device("cpu")) is expected is symbolic_tree_sizes(torch.device("cuda"))
+    monkeypatch.setenv("PPD_TREE_SHAPES", "dynamic")
+    with pytest.raises(ValueError, match="PPD_TREE_SHAPES must be auto, static or symbolic"):
+        symbolic_tree_sizes(torch.device("cpu"))
 
 
 def test_every_batch_of_two_rows_or_more_shares_the_first_compiled_step():

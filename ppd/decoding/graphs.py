@@ -184,6 +184,7 @@ class StepRunner:
         self.mode = mode
         self.device = device
         self.packed = list(packed)  # the model's packed linear layers, if it has them
+        self.symbolic_tree_sizes = symbolic_tree_sizes(device)  # read once: which step a tree set compiles
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple]] = {}
         self._static: set[int] = set()  # states whose buffers torch's own CUDA graphs may treat as fixed
         self._pool = None
@@ -220,7 +221,7 @@ class StepRunner:
             for tensor in state.row_tensors():
                 torch._dynamo.maybe_mark_dynamic(tensor, 0)
             if tables is not None:
-                _mark_tree_sizes(tables, prompt_embeds, symbolic_tree_sizes(self.device))
+                _mark_tree_sizes(tables, prompt_embeds, self.symbolic_tree_sizes)
         if self.mode is CaptureMode.REDUCE_OVERHEAD and id(state) not in self._static:
             # torch's CUDA graphs accept in-place updates only of inputs whose address never changes.
             for tensor in [*state.small_tensors(), *state.kv.buffers(), state.slot_ids]:
