@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Here (the developer's machine), from the repository root: what travels with a device call is the tracked tree
+# plus what git does not ignore, 51 MB in the thirty-third session, most of it past leases' results. `slim.sh on`
+# takes results/ out of git's index (the files stay on disk, and HEAD is untouched) and ignores it through
+# .git/info/exclude, keeping only what a job reads: results/lookup (the trees), results/deep_gpu/lease and the
+# scripts and job folders named as arguments. The tree then weighs ~8 MB, and stage.sh cuts the model's wheel into
+# two calls instead of fourteen. `slim.sh off` restores the index and the exclude file. Commit nothing in between:
+# the index then says results/ is deleted.
+#   bash results/deep_gpu/lease/slim.sh on results/deep_gpu/h200/v30 results/deep_gpu/tree_shapes_bench.py
+#   bash results/deep_gpu/lease/stage.sh ... (the leases) ... bash results/deep_gpu/lease/slim.sh off
+set -euo pipefail
+cd "$(git rev-parse --show-toplevel)"
+exclude=.git/info/exclude
+case "${1:-}" in
+  on)
+    shift
+    [ -z "$(git diff --cached --name-only)" ] || { echo "the index holds staged changes: commit them first" >&2; exit 2; }
+    git rm -r -q --cached results
+    git add results/lookup results/deep_gpu/lease "$@"
+    grep -qx '/results/' "$exclude" 2>/dev/null || echo '/results/' >> "$exclude"
+    git ls-files -z | xargs -0 stat -c %s | awk '{s += $1} END {printf "tracked tree now %.1f MiB\n", s / 1048576}'
+    ;;
+  off)
+    sed -i '\#^/results/$#d' "$exclude"
+    git reset -q
+    echo "index restored: $(git status --short | wc -l) changes against HEAD"
+    ;;
+  *) echo "usage: slim.sh on [PATH ...] | off" >&2; exit 2 ;;
+esac
