@@ -3,8 +3,9 @@
 # Times the tree steps compiled with each tree set's sizes as constants (PPD_TREE_SHAPES=static, the CUDA default
 # since the thirty-second session) against symbolic sizes (the code before), where v29 found four copies a layer,
 # and a single attention piece at short widths (PPD_SPLIT_TUNING=min_piece=4096: -7 % wall on v29's batch-16 step).
-# In the order they matter: (1) the continuous batcher at 16 rows, static then symbolic; (2) the server at 16
-# clients (issue 14's 1.4x); (3) both again with one attention piece; (4) the batch-16 step's kernels both ways;
+# In the order they matter: (1) the continuous batcher at 16 rows, static sizes then symbolic; (2) the server at
+# 16 clients (issue 14's 1.4x; it finds (1)'s compilations in the machine's Inductor cache); (3) the batcher and
+# the server with one attention piece; (4) the batch-16 step's kernels both ways;
 # (5) the model-free layer stack both ways. Outputs in /root/res/v30.
 set -u
 source /root/tree/results/deep_gpu/lease/job_env.sh v30
