@@ -26,7 +26,10 @@ echo "tracked tree $((tree / 1048576)) MiB: parts of ${part}${PART:+ (PART)} byt
 ( cd "$dl" && split -b "$part" "$model" "$model.part." && rm "$model" )
 n=0
 for piece in "$dl"/*.part.*; do n=$((n + 1)); mkdir -p .gpu/b$n; mv "$piece" .gpu/b$n/; done
-n=$((n + 1)); mkdir -p .gpu/b$n; mv "$dl"/*.whl .gpu/b$n/  # the small wheels (~10 MB) in a batch of their own
+# the small wheels (~10 MB) beside the model's last part where the two fit one call (a slim tree), else on their own
+wheels=$(cat "$dl"/*.whl | wc -c); last=$(cat .gpu/b$n/* | wc -c)
+(( tree + last + wheels <= (64 - 6) * 1048576 )) || { n=$((n + 1)); mkdir -p .gpu/b$n; }
+mv "$dl"/*.whl .gpu/b$n/
 if [ -n "${LONG:-}" ]; then  # LONG=1: the long-context jobs' conversations, in a batch of their own (4.6 MB)
   n=$((n + 1)); mkdir -p .gpu/b$n
   ${PYTHON:-.venv/bin/python} - ".gpu/b$n/sharegpt_first3000.json.gz" <<'PY'
