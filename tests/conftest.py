@@ -137,12 +137,45 @@ def _release_freed_memory() -> None:
         libc.malloc_trim(0)
 
 
+MODULE_HEADROOM_GIB = 10.0  # what a module may add to a test process's resident memory (peaks ~11.5 GB in all)
+HEADROOM_WAIT_S = 300.0
+
+
+def _meminfo_gib(field: str) -> float | None:
+    """A ``/proc/meminfo`` field in GiB (Linux), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields[field].split()[0]) / 2**20
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _wait_for_headroom() -> None:
+    """Start a module only once the machine has room for its peak, waiting up to ``HEADROOM_WAIT_S`` for the
+    other test process to end a module and hand its pages back: two processes at their peaks at once (~11.5 GB
+    each) passed this 24 GiB machine, and the kernel killed one (a CI run, thirty-third session). Only with
+    several test processes (xdist) on a machine that can hold one peak beside the others' idle memory."""
+    import time
+
+    total = _meminfo_gib("MemTotal")
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) < 2 or total is None or total < 2 * MODULE_HEADROOM_GIB:
+        return
+    deadline = time.monotonic() + HEADROOM_WAIT_S
+    while (available := _meminfo_gib("MemAvailable")) is not None and available < MODULE_HEADROOM_GIB:
+        if time.monotonic() > deadline:
+            return
+        time.sleep(2.0)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_steps():
     """Drop what a test module left behind once it is done: the compiled variants of every module's decoders
     (with the caches they were traced on), the weights the shared real model packed for the row counts that
     module's decoders ran (``ppd.decoding.packed_linear``; up to 770 MB each), and the heap's free pages.
-    Without this the suite's peak memory grew past this 24 GiB machine."""
+    Without this the suite's peak memory grew past this 24 GiB machine. Before the module, waits for room
+    (:func:`_wait_for_headroom`)."""
+    _wait_for_headroom()
     yield
     import gc
 
