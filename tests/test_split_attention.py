@@ -143,6 +143,38 @@ def _case_kernel_tree_mask():
         raise AssertionError("a mask over the whole width was taken with lengths")
 
 
+def _case_tree_pieces_share_a_row():
+    """With the rows' lengths, a row's own slots are shared out among the pieces, whatever the width: a short row
+    in a wide cache gives every piece slots to read (a finite log-sum-exp), and the merged result is SDPA's."""
+    from ppd.attention import step_mask, to_additive
+    from ppd.decoding import split_kernel
+    from ppd.decoding.split_attention import split_attention
+
+    merged = []
+    launch = split_kernel.merge_kernel
+
+    class Watch:  # the merge's launches, with the pieces' log-sum-exp they read
+        def __getitem__(self, grid):
+            def run(out, lse, *rest, **options):
+                merged.append(lse.clone())
+                return launch[grid](out, lse, *rest, **options)
+            return run
+
+    split_kernel.merge_kernel = Watch()
+    g = torch.Generator().manual_seed(3)
+    batch, heads, key_heads, rows, width, dim = 3, 4, 2, 8, 1024, 16
+    q = torch.randn(batch, heads, rows, dim, generator=g)
+    k = torch.randn(batch, key_heads, width, dim, generator=g)
+    v = torch.randn(batch, key_heads, width, dim, generator=g)
+    lengths = torch.tensor([200, 700, 1016])  # a quarter of the width and less, most of it, all of it
+    allowed = (torch.rand(batch, rows, rows, generator=g) < 0.5) | torch.eye(rows, dtype=torch.bool)
+    want = _reference(q, k, v, step_mask(allowed, lengths, torch.arange(width), torch.float32), dim ** -0.5)
+    got = split_attention(q, k, v, to_additive(allowed[:, None], torch.float32), dim ** -0.5, 4, lengths=lengths)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    (lse,) = merged  # [pieces, B, key heads, folded rows]
+    assert lse.shape[0] == 4 and torch.isfinite(lse).all(), lse[:, :, 0, 0]
+
+
 def _case_one_row_keeps_sdpa():
     """A step of one row (the baseline's) keeps SDPA's decoding kernel; a tree step takes the split kernel."""
     from ppd.decoding import grouped_attention, split_attention
@@ -247,6 +279,10 @@ def test_the_kernel_equals_sdpa_in_any_number_of_pieces():
 
 def test_with_lengths_it_reads_the_tree_mask_and_nothing_past_the_tree():
     _in_interpreter("_case_kernel_tree_mask")
+
+
+def test_with_lengths_every_piece_takes_a_share_of_the_row():
+    _in_interpreter("_case_tree_pieces_share_a_row")
 
 
 def test_one_row_keeps_sdpa_and_a_tree_takes_the_kernel():

@@ -21,8 +21,12 @@ added to each score as the model's own SDPA adds it, so the result is SDPA's up 
 ``PPD_SPLIT_MASK=tree`` (the default), a tree step of a model without sliding windows hands the kernel its rows'
 cache lengths and the tree's own mask ``[B, 1, T, T]`` instead of the ``[B, 1, T, W]`` one
 (``LanguageModel.compact_mask``): every slot below a row's length is seen (in a loop of its own, with no mask read),
-the tree's slots as its mask says, and the pieces stop reading at the tree's last slot, so the step's mask takes
-O(T^2 B) memory, not O(T W B), and the cache's unused tail is never read. How the cache is cut and walked
+the tree's slots as its mask says, and nothing past the tree's last slot is read, so the step's mask takes O(T^2 B)
+memory, not O(T W B), and the cache's unused tail is never read. There each batch row's own slots, not the width,
+are shared out among the pieces: a captured step's width is the next power of two above the longest row, and pieces
+cut from the width left most of a short row's work to the first piece and the others empty (on an H100 one piece
+instead of two, the last one mostly empty at 300 tokens of context, made a batch-16 tree step 7 % faster,
+results/deep_gpu/h100/v29/). How the cache is cut and walked
 (:class:`SplitTuning`) was chosen by ``results/deep_gpu/split_sweep.py``. Written in Triton; on a CPU the same kernel
 runs through Triton's interpreter (for the tests only: it is slow). Dense tree steps on a CUDA GPU run it by default
 (``PPD_GROUPED_SDPA=auto`` or ``split``; :mod:`ppd.decoding.grouped_attention`).

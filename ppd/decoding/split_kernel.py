@@ -39,9 +39,10 @@ def pieces(q, k, v, mask, lengths, out, lse, result,
     """One piece of the cache for one batch row, key head and tile of folded rows: writes that piece's softmax-
     weighted values (normalised within the piece) and its log-sum-exp, or with ``WHOLE`` (one piece spans the
     width) the attention's result itself into ``result`` (query heads' layout, the query's dtype). ``mask`` is
-    added to the scores: the whole width's ``[B, 1, T, W]``, or with ``TREE`` the tree's own ``[B, 1, T, T]``, slot
-    ``L_b + j`` its column ``j``, every slot below the row's length ``L_b`` seen and nothing past ``L_b + T`` read
-    (an empty piece writes a log-sum-exp of minus infinity). ``PRECISION``: the products' input precision
+    added to the scores: the whole width's ``[B, 1, T, W]``, cut into pieces of ``piece`` slots, or with ``TREE``
+    the tree's own ``[B, 1, T, T]``, slot ``L_b + j`` its column ``j``, every slot below the row's length ``L_b``
+    seen and nothing past ``L_b + T`` read, those ``L_b + T`` slots shared out evenly among the programs along the
+    first axis (an empty piece writes a log-sum-exp of minus infinity). ``PRECISION``: the products' input precision
     (``ieee`` for float32 inputs, which would otherwise be multiplied in TF32)."""
     part = tl.program_id(0)
     batch_head = tl.program_id(1).to(tl.int64)  # offsets in 64 bits: a cache layer may hold 2^31 values or more
@@ -56,11 +57,17 @@ def pieces(q, k, v, mask, lengths, out, lse, result,
     d_ok = d < HEAD_DIM
     query = tl.load(q + b * q_b + (h * GROUP + g)[:, None] * q_h + t[:, None] * q_t + d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    start = part * piece
-    stop = tl.minimum(start + piece, width)
     if TREE:
-        length = tl.load(lengths + b).to(tl.int32)  # loop bounds in 32 bits, as the start
-        stop = tl.minimum(stop, length + rows)
+        # The row's own slots, its prefix and its tree, shared out evenly among the pieces in whole blocks: a cache
+        # is captured wider than most rows fill, and pieces cut from the width left the work to the first few.
+        length = tl.load(lengths + b).to(tl.int32)  # loop bounds in 32 bits
+        end = tl.minimum(length + rows, width)
+        share = tl.cdiv(tl.cdiv(end, tl.num_programs(0)), BN) * BN
+        start = part * share
+        stop = tl.minimum(start + share, end)
+    else:
+        start = part * piece
+        stop = tl.minimum(start + piece, width)
     best = tl.full([BM], float("-inf"), tl.float32)
     total = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BLOCK_D], tl.float32)
