@@ -1,6 +1,6 @@
 """PPD_COMPILE_CACHE: a second process with an empty Inductor cache (a fresh machine) finds the steps the first
-compiled (over two warm-ups, two files), decodes the same tokens and writes nothing new; an unreadable file in
-the folder is skipped."""
+compiled (over two warm-ups, the decoder's and the continuous batcher's, two files), decodes the same tokens and
+writes nothing new; an unreadable file in the folder is skipped."""
 
 from __future__ import annotations
 
@@ -19,11 +19,13 @@ import json
 from torch._dynamo.utils import counters
 from tests.conftest import random_prompt_tokens, tiny_model
 from ppd.decoder import Decoder
+from ppd.serving.batcher import BatcherConfig, ContinuousBatcher
 
 model = tiny_model("llama")
 decoder = Decoder(model, random_prompt_tokens(model, n=3, v=1, seed=1, deep=True, rank=2))
 decoder.warmup(batch_sizes=[1], capture="compile")
-decoder.warmup(batch_sizes=[2], capture="compile")  # compiles again: a second file
+# The server's warm-up: batches of 2 and the baseline's one-row step compile, a second file
+ContinuousBatcher(decoder, BatcherConfig(max_batch=2, capture="compile")).warmup()
 compiled, found = counters["inductor"]["fxgraph_cache_miss"], counters["inductor"]["fxgraph_cache_hit"]
 out = decoder.generate([[5, 9, 2, 7, 7, 1], [3, 8]], max_new_tokens=16, capture="compile")
 print(json.dumps({"tokens": [o.token_ids for o in out], "compiled": compiled, "found": found}))

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .. import compile_cache
 from ..config import CaptureMode, DecodeConfig, DecodeMethod
 from ..decoding.graphs import captures_graphs, compiles_prefill, resolve_mode
 from ..decoding.loop import batch_bucket, prefill, queue_step, reset_rows, runs_ahead, steps_to_prepare, whole_width
@@ -124,6 +125,7 @@ class ContinuousBatcher:
         if self.running or self.waiting:
             raise RuntimeError("warm the batcher up before it serves requests")
         start = time.perf_counter()
+        compile_cache.load()  # PPD_COMPILE_CACHE: what other processes compiled
         methods = methods or (("ppd", "baseline") if self.decoder.tables is not None else ("baseline",))
         for method in methods:
             lane = self._lane(DecodeMethod(method))
@@ -140,6 +142,7 @@ class ContinuousBatcher:
                         self._runner.prepare(tables if tree else None, lane.prompt_embeds(tables if tree else None),
                                              view, StepKind(tree=tree, greedy=greedy), widths)
                 bucket *= 2
+        compile_cache.save()
         return time.perf_counter() - start
 
     # ------------------------------------------------------------------ requests
