@@ -30,19 +30,35 @@ WAYS = ("tree", "width")
 SHAPES = [(1, 130, 8000), (1, 65, 8000), (1, 17, 8000), (16, 17, 8000), (1, 130, 1000)]  # batch, rows, context
 
 
-def _inputs(batch: int, rows: int, context: int):
+def parse_shape(text: str) -> tuple[int, int, int, int | None]:
+    """``B,T,C`` or ``B,T,C,W``: batch, tree rows, context and, where given, the captured width the cache is cut
+    to (a power of two above the longest row in a served batch; then the rows' lengths spread over C/2 .. 3C/2,
+    at most W - T, as a batch of mixed prompts does; without W every row holds C and the width is C + T + 256)."""
+    parts = [int(p) for p in text.split(",")]
+    if len(parts) not in (3, 4) or min(parts) < 1 or (len(parts) == 4 and parts[3] < parts[1] + 1):
+        raise argparse.ArgumentTypeError(f"a shape is B,T,C or B,T,C,W (W above T), got {text!r}")
+    return (*parts, None) if len(parts) == 3 else tuple(parts)
+
+
+def _inputs(batch: int, rows: int, context: int, width: int | None = None):
     dev, dt = torch.device("cuda"), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
-    capacity = context + rows + 256
+    capacity = context + rows + 256 if width is None else width
     q = torch.randn(batch, HEADS, rows, DIM, device=dev, dtype=dt, generator=g)
     caches = [(torch.randn(batch, KEY_HEADS, capacity, DIM, device=dev, dtype=dt, generator=g),
                torch.randn(batch, KEY_HEADS, capacity, DIM, device=dev, dtype=dt, generator=g)) for _ in range(LAYERS)]
     tree = torch.ones(rows, rows, device=dev, dtype=torch.bool).tril()
     mask = torch.zeros(batch, 1, rows, rows, device=dev, dtype=dt).masked_fill(~tree, torch.finfo(dt).min)
-    lengths = torch.full((batch,), context, device=dev, dtype=torch.long)
+    if width is None:
+        lengths = torch.full((batch,), context, device=dev, dtype=torch.long)
+    else:
+        spread = torch.linspace(context / 2, context * 3 / 2, batch, device=dev) if batch > 1 else torch.full(
+            (1,), float(context), device=dev)
+        lengths = spread.long().clamp(1, capacity - rows)
     wide = torch.full((batch, 1, rows, capacity), torch.finfo(dt).min, device=dev, dtype=dt)
-    wide[..., :context] = 0
-    wide[..., context:context + rows] = mask
+    for b, length in enumerate(lengths.tolist()):
+        wide[b, :, :, :length] = 0
+        wide[b, :, :, length:length + rows] = mask[b]
     return q, caches, mask, lengths, wide
 
 
@@ -60,7 +76,7 @@ def time_split(inputs, way: str, tuning: SplitTuning, repeats: int) -> float:
 
 
 def time_one_row(batch: int, context: int, repeats: int) -> float:
-    q, caches, *_ = _inputs(batch, 1, context)
+    q, caches, *_ = _inputs(batch, 1, context, None)
 
     def call():
         for keys, values in caches:
@@ -96,6 +112,8 @@ def main(argv=None) -> int:
     parser.add_argument("--ways", nargs="+", default=list(WAYS), choices=WAYS, help="ways of masking to time")
     parser.add_argument("--output", default=None, help="JSON file of every time")
     parser.add_argument("--best", default=None, help="text file the best tuning's PPD_SPLIT_TUNING is written to")
+    parser.add_argument("--shapes", nargs="+", type=parse_shape, default=None,
+                        help="shapes B,T,C or B,T,C,W to time instead of the default ones (see parse_shape)")
     parser.add_argument("--tunings", nargs="+", default=None,
                         help="PPD_SPLIT_TUNING texts to time instead of the grid (the default tuning is always timed)")
     args = parser.parse_args(argv)
@@ -103,23 +121,24 @@ def main(argv=None) -> int:
     tunings += [SplitTuning()] if SplitTuning() not in tunings else []
     times: dict[tuple, dict[str, dict[str, float]]] = {}
     one_row = {}
-    for batch, rows, context in SHAPES:
+    for batch, rows, context, width in args.shapes or [(*shape, None) for shape in SHAPES]:
         one_row[(batch, context)] = time_one_row(batch, context, args.repeats)
-        inputs = _inputs(batch, rows, context)
-        print(f"batch {batch} rows {rows} context {context}: largest difference from SDPA "
-              "(tree's mask, width's mask) %.4f, %.4f" % check(inputs), flush=True)
-        shape = times.setdefault((batch, rows, context), {})
+        inputs = _inputs(batch, rows, context, width)
+        where = f"batch {batch:2d} rows {rows:3d} context {context:5d}" + (f" width {width}" if width else "")
+        print(f"{where}: largest difference from SDPA (tree's mask, width's mask) %.4f, %.4f" % check(inputs),
+              flush=True)
+        shape = times.setdefault((batch, rows, context, width), {})
         for way in args.ways:
             row = shape.setdefault(way, {})
             for tuning in tunings:
                 try:
                     row[tuning.text()] = time_split(inputs, way, tuning, args.repeats)
                 except Exception as error:  # a launch the GPU refuses (too much shared memory): skip it, say so
-                    print(f"{tuning.text()} {way} at {batch, rows, context}: "
+                    print(f"{tuning.text()} {way} at {where}: "
                           f"{type(error).__name__}: {str(error)[:200]}")
             default = row.get(SplitTuning().text(), float("nan"))
             fastest = sorted(row.items(), key=lambda item: item[1])[:2]
-            print(f"batch {batch:2d} rows {rows:3d} context {context:5d} {way:5s} mask: one row "
+            print(f"{where} {way:5s} mask: one row "
                   f"{one_row[(batch, context)]:7.1f} us, default {default:7.1f} us, fastest "
                   + "; ".join(f"{t} {us:.1f}" for t, us in fastest), flush=True)
     scored = "tree" if "tree" in args.ways else args.ways[0]  # the way the best tuning is picked for
@@ -129,14 +148,14 @@ def main(argv=None) -> int:
     best = min(score, key=score.get)
     print(f"best on average with the {scored}'s mask: {best} ({score[best]:.3f} of each shape's fastest; default "
           f"{score.get(SplitTuning().text(), float('nan')):.3f})")
-    for (batch, rows, context), shape in times.items():
-        print(f"  batch {batch:2d} rows {rows:3d} context {context:5d}: best-on-average "
+    for (batch, rows, context, width), shape in times.items():
+        print(f"  batch {batch:2d} rows {rows:3d} context {context:5d} width {width or '-'}: best-on-average "
               + ", ".join(f"{way}'s mask {shape[way].get(best, float('nan')):7.1f} us" for way in args.ways))
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": LAYERS,
-                       "shapes": [{"batch": b, "rows": r, "context": c, "one_row_us": one_row[(b, c)], "us": shape}
-                                  for (b, r, c), shape in times.items()],
+                       "shapes": [{"batch": b, "rows": r, "context": c, "width": w, "one_row_us": one_row[(b, c)],
+                                   "us": shape} for (b, r, c, w), shape in times.items()],
                        "score": score, "best": best}, f, indent=1)
     if args.best:
         with open(args.best, "w") as f:

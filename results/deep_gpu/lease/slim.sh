@@ -6,7 +6,8 @@
 # scripts and job folders named as arguments. The tree then weighs ~8 MB, and stage.sh cuts the model's wheel into
 # two calls instead of fourteen. `slim.sh off` restores the index and the exclude file. Commit nothing in between:
 # the index then says results/ is deleted.
-#   bash results/deep_gpu/lease/slim.sh on results/deep_gpu/h100/v31 results/deep_gpu/tree_shapes_bench.py
+#   bash results/deep_gpu/lease/slim.sh on results/deep_gpu/h100/v31 \
+#       results/deep_gpu/{split_sweep,attention_feed,busy_throughput}.py
 #   bash results/deep_gpu/lease/stage.sh ... (the leases) ... bash results/deep_gpu/lease/slim.sh off
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Prepared in the thirty-fourth session for the next lease (H100 or H200). Stage with (the folder, the scripts it runs)
+#   bash results/deep_gpu/lease/slim.sh on results/deep_gpu/h100/v31 \
+#       results/deep_gpu/{split_sweep,attention_feed,busy_throughput}.py
+# and `bash results/deep_gpu/lease/stage.sh` (two calls), then launch this; outputs in /root/res/v31.
+# Since v30: the split kernel shares each row's own slots among its pieces instead of cutting the captured width
+# (a short row left the later pieces empty), and the server's warm-up reads and writes PPD_COMPILE_CACHE.
+# In the order they matter:
+# (1) the split kernel's GPU tests (a kernel changed since the last lease);
+# (2) the kernel alone at served shapes (rows shorter than the captured width): balanced pieces at the default
+#     tuning against one piece and against more pieces (model-free, a minute or two);
+# (3) issue 14's decoder table through the continuous batcher, batch 1-32, current defaults;
+# (4) issue 14's server table, 1, 4, 16 and 64 clients, in one run (Inductor's cache warm from (3));
+# (5) the constant/symbolic tree sizes A/B at 16 rows over 160 prompts each, the symbolic one first (cold), then the
+#     default again (warm), so that both decode the same prompts in one lease;
+# (6) the batch-16 step's kernels with balanced pieces, against v29's profile.
+# The compiled artifacts stay in /root/keep/compiled, outside /root/res: a file back from the machine holds at most
+# 16 MiB, so they would make peek.sh's archive too large to come back. After JOB DONE, one call may bring them:
+# `tar czf - -C /root/keep compiled | split -b 15m - $OUT/compiled.tgz.` (at most four parts come back).
+set -u
+source /root/tree/results/deep_gpu/lease/job_env.sh v31
+export PPD_COMPILE_CACHE=/root/keep/compiled
+mkdir -p "$PPD_COMPILE_CACHE"
+T=results/lookup/trees
+E="--dtype bfloat16 --capture compiled_graph"
+C="python -m eval.batch_speed $E --batching continuous --bench mt_bench --max_new_tokens 256 --max_seq_len 1024"
+L="python -m eval.load --launch --model smollm2-135m-instruct --methods ppd baseline --bench mt_bench --max_tokens 256"
+rows() { echo "rc $1"; grep -E "^\|" "$2" | head -n "${3:-6}" | cut -c1-300; }
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  t tests; timeout 240 python -m pytest -q -p no:cacheprovider tests/test_split_attention.py -k gpu \
+    > $R/logs/tests.log 2>&1; echo "rc $?"; tail -n 2 $R/logs/tests.log
+  t sweep; timeout 240 python results/deep_gpu/split_sweep.py --ways tree --repeats 30 \
+    --shapes 1,40,300,512 4,40,300,512 16,40,300,512 32,40,300,512 16,40,600,1024 1,40,8000 16,17,8000 \
+    --tunings min_piece=4096 min_piece=128 min_piece=64 per_processor=4 --output $R/split_sweep_served.json \
+    > $R/logs/sweep.log 2>&1; echo "rc $?"; grep -E "mask: one row|best" $R/logs/sweep.log | cut -c1-220
+  t continuous; timeout 900 $C --batch_sizes 32 16 8 4 2 1 --output $R/continuous_b1-32.json \
+    --plot $R/continuous_b1-32.png > $R/logs/continuous.log 2>&1; rows $? $R/logs/continuous.log 9
+  t load; timeout 900 $L --clients 64 16 4 1 --server_args="$E --max_seq_len 1024 --max_batch 64" \
+    --output $R/load.json --plot $R/load.png > $R/logs/load.log 2>&1; rows $? $R/logs/load.log 10
+  python results/deep_gpu/busy_throughput.py $R/load.json > $R/logs/busy.log 2>&1; tail -n 12 $R/logs/busy.log
+  t continuous_symbolic; PPD_TREE_SHAPES=symbolic timeout 600 $C --batch_sizes 16 --prompts 160 \
+    --output $R/continuous_b16_symbolic.json > $R/logs/continuous_symbolic.log 2>&1
+  rows $? $R/logs/continuous_symbolic.log
+  t continuous_static; timeout 420 $C --batch_sizes 16 --prompts 160 --output $R/continuous_b16_static.json \
+    > $R/logs/continuous_static.log 2>&1; rows $? $R/logs/continuous_static.log
+  t profile; timeout 330 python -m eval.step_profile $E --context 300 --batch_size 16 --steps 16 \
+    --trees $T/tree_32_lookup8.json --top 80 --sequence --output $R/step_profile_b16.json \
+    > $R/logs/profile.log 2>&1; rows $? $R/logs/profile.log 4
+  t keep; du -sm "$PPD_COMPILE_CACHE"
+  t end
+} > /root/res/job.log 2>&1
+echo "JOB DONE" >> /root/res/job.log
