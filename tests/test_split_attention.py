@@ -49,7 +49,8 @@ def _case_kernel():
             want = _reference(q, k, v, mask, scale)
             tolerance = 1e-5 if dtype == torch.float32 else 2e-3
             for tuning in (None, SplitTuning(block_n=32, min_piece=64, block_m=16),
-                           SplitTuning(block_n=128, block_m=128, warps=8, stages=3)):
+                           SplitTuning(block_n=128, block_m=128, warps=8, stages=3),
+                           SplitTuning(block_n=32, min_piece=64, block_m=16, fused_merge=1)):
                 got = split_attention(q, k, v, mask, scale, pieces, tuning=tuning)
                 # laid out as [B, T, Hq, D], the layout the output projection reads
                 assert got.shape == q.shape and got.dtype == dtype and got.transpose(1, 2).is_contiguous()
@@ -66,8 +67,9 @@ def _case_kernel():
                torch.randn(1, 1, 5000, 128, generator=g))
     mask = torch.zeros(1, 1, 3, 5000)
     mask[:, :, 1:, 4000:] = float("-inf")
-    torch.testing.assert_close(split_attention(q, k, v, mask, 0.1, 100), _reference(q, k, v, mask, 0.1),
-                               rtol=1e-5, atol=1e-5)
+    for tuning in (None, SplitTuning(fused_merge=1)):
+        torch.testing.assert_close(split_attention(q, k, v, mask, 0.1, 100, tuning=tuning),
+                                   _reference(q, k, v, mask, 0.1), rtol=1e-5, atol=1e-5)
     try:
         split_attention(q, k, v, mask.bool(), 1.0)
     except ValueError as error:
@@ -83,9 +85,10 @@ def test_tuning_is_parsed_from_its_text_and_bad_fields_are_named():
     assert tuning == SplitTuning(per_processor=4, block_n=32) and SplitTuning.parse(tuning.text()) == tuning
     assert SplitTuning.parse("") == SplitTuning()
     assert SplitTuning.parse(" warps = 8 ,") == SplitTuning(warps=8)
+    assert SplitTuning.parse("fused_merge=1").fused_merge == 1
     # names and values it cannot take, and launch options Triton's kernel cannot run with
     for bad in ("blocks=3", "block_n=0", "warps=two", "stages", "block_n=48", "block_n=8", "warps=3", "stages=0",
-                "block_m=8", "block_m=96"):
+                "block_m=8", "block_m=96", "fused_merge=2"):
         with pytest.raises(ValueError, match="PPD_SPLIT_TUNING"):
             SplitTuning.parse(bad)
 
@@ -116,7 +119,7 @@ def _case_kernel_tree_mask():
     """With the rows' lengths the kernel takes the tree's own mask: the prefix seen by every row, the tree block
     as the mask says, and nothing past the tree read (the stale tail holds NaN here, which one read would spread)."""
     from ppd.attention import step_mask, to_additive
-    from ppd.decoding.split_attention import split_attention
+    from ppd.decoding.split_attention import SplitTuning, split_attention
 
     g = torch.Generator().manual_seed(2)
     for batch, heads, key_heads, rows, width, dim, pieces in [
@@ -132,9 +135,10 @@ def _case_kernel_tree_mask():
         want = _reference(q, k, v, dense, dim ** -0.5)
         k = k.masked_fill(stale[:, None, :, None], float("nan"))
         v = v.masked_fill(stale[:, None, :, None], float("nan"))
-        got = split_attention(q, k, v, to_additive(allowed[:, None], torch.float32), dim ** -0.5, pieces,
-                              lengths=lengths)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for tuning in (None, SplitTuning(fused_merge=1)):
+            got = split_attention(q, k, v, to_additive(allowed[:, None], torch.float32), dim ** -0.5, pieces,
+                                  lengths=lengths, tuning=tuning)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     try:
         split_attention(q, k, v, dense, 1.0, lengths=lengths)
     except ValueError as error:
@@ -145,10 +149,11 @@ def _case_kernel_tree_mask():
 
 def _case_tree_pieces_share_a_row():
     """With the rows' lengths, a row's own slots are shared out among the pieces, whatever the width: a short row
-    in a wide cache gives every piece slots to read (a finite log-sum-exp), and the merged result is SDPA's."""
+    in a wide cache gives every piece slots to read (a finite log-sum-exp), and the merged result is SDPA's, also
+    where the pieces merge themselves."""
     from ppd.attention import step_mask, to_additive
     from ppd.decoding import split_kernel
-    from ppd.decoding.split_attention import split_attention
+    from ppd.decoding.split_attention import SplitTuning, split_attention
 
     merged = []
     launch = split_kernel.merge_kernel
@@ -173,6 +178,12 @@ def _case_tree_pieces_share_a_row():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     (lse,) = merged  # [pieces, B, key heads, folded rows]
     assert lse.shape[0] == 4 and torch.isfinite(lse).all(), lse[:, :, 0, 0]
+    # Merged by the pieces' last program instead (no merging kernel); twice, so its counters must be zero again
+    for _ in range(2):
+        fused = split_attention(q, k, v, to_additive(allowed[:, None], torch.float32), dim ** -0.5, 4,
+                                lengths=lengths, tuning=SplitTuning(fused_merge=1))
+        torch.testing.assert_close(fused, want, rtol=1e-5, atol=1e-5)
+    assert len(merged) == 1
 
 
 def _case_one_row_keeps_sdpa():
@@ -281,7 +292,7 @@ def test_with_lengths_it_reads_the_tree_mask_and_nothing_past_the_tree():
     _in_interpreter("_case_kernel_tree_mask")
 
 
-def test_with_lengths_every_piece_takes_a_share_of_the_row():
+def test_with_lengths_every_piece_takes_a_share_of_the_row_and_pieces_can_merge_themselves():
     _in_interpreter("_case_tree_pieces_share_a_row")
 
 
@@ -306,13 +317,16 @@ def test_decoding_through_it_equals_greedy_generate():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernel runs on a CUDA GPU")
 @pytest.mark.parametrize("capture", ["eager", "compiled_graph"])
 @pytest.mark.parametrize("split_mask", ["width", "tree"])
-def test_on_a_gpu_it_equals_sdpa_and_the_captured_step_equals_the_eager_one(capture, split_mask, monkeypatch):
-    """bfloat16 against SDPA; the compiled and captured step through it, with either mask, gives the eager step's
-    tokens and transformers' greedy ones, 2,000-token prompts among them."""
+@pytest.mark.parametrize("merge", ["kernel", "fused"])
+def test_on_a_gpu_it_equals_sdpa_and_the_captured_step_equals_the_eager_one(capture, split_mask, merge,
+                                                                             monkeypatch):
+    """bfloat16 against SDPA, also with the pieces merging themselves (the same result call after call); the
+    compiled and captured step through it, with either mask, gives the eager step's tokens and transformers' greedy
+    ones, 2,000-token prompts among them."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from ppd import Decoder
-    from ppd.decoding.split_attention import split_attention
+    from ppd.decoding.split_attention import SplitTuning, split_attention
     from tests.conftest import random_prompt_tokens, random_tree_set
     from tests.test_decoder import assert_captured_equals_eager_and_generate
 
@@ -321,11 +335,29 @@ def test_on_a_gpu_it_equals_sdpa_and_the_captured_step_equals_the_eager_one(capt
     k, v = (torch.randn(2, 3, 8448, 64, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
     mask = torch.zeros(2, 1, 130, 8448, device="cuda", dtype=torch.bfloat16)
     mask[..., 8000:] = torch.finfo(torch.bfloat16).min
-    torch.testing.assert_close(split_attention(q, k, v, mask, 0.125).float(), _reference(q, k, v, mask, 0.125),
-                               rtol=2e-2, atol=2e-2)
+    want = _reference(q, k, v, mask, 0.125)
+    torch.testing.assert_close(split_attention(q, k, v, mask, 0.125).float(), want, rtol=2e-2, atol=2e-2)
+    # The pieces merging themselves: the last piece reads what the others wrote on other processors, many times
+    # over (a race in that hand-over would show as a wrong or differing result)
+    lengths = torch.tensor([8000 - 130, 3000], device="cuda")
+    tree_mask = torch.zeros(2, 1, 130, 130, device="cuda", dtype=torch.bfloat16)
+    tuned = SplitTuning(fused_merge=1)
+    for pieces in (0, 7, 33):
+        first = split_attention(q, k, v, mask, 0.125, pieces, tuning=tuned)
+        torch.testing.assert_close(first.float(), want, rtol=2e-2, atol=2e-2)
+        unfused = split_attention(q, k, v, tree_mask, 0.125, pieces, lengths=lengths)
+        for _ in range(20):
+            assert torch.equal(split_attention(q, k, v, mask, 0.125, pieces, tuning=tuned), first)
+            torch.testing.assert_close(split_attention(q, k, v, tree_mask, 0.125, pieces, lengths=lengths,
+                                                       tuning=tuned), unfused, rtol=1e-2, atol=1e-2)
 
+    if merge == "fused" and capture == "eager":
+        pytest.skip("the kernel's own checks above cover it eagerly")
     monkeypatch.setenv("PPD_GROUPED_SDPA", "split")
     monkeypatch.setenv("PPD_SPLIT_MASK", split_mask)
+    if merge == "fused":  # the module's tuning, which the step reads as it is traced
+        from ppd.decoding import split_attention as split_module
+        monkeypatch.setattr(split_module, "TUNING", tuned)
     torch.manual_seed(13)
     config = LlamaConfig(vocab_size=256, hidden_size=192, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=4096)

@@ -52,7 +52,8 @@ class SplitTuning:
     """How the kernel cuts and walks the cache. ``per_processor``: programs per GPU processor the piece count aims
     at; ``min_piece``: slots a piece holds at least (before the pieces are evened out); ``block_n``: slots a
     program reads at a time; ``block_m``: folded query rows a program holds; ``warps`` and ``stages``: Triton's
-    launch options for the pieces' kernel.
+    launch options for the pieces' kernel; ``fused_merge``: 1 to have the last piece of each tile merge the pieces
+    (counted with an atomic) instead of a merging kernel launched after them, 0 for the kernel.
     ``PPD_SPLIT_TUNING`` overrides fields by name, e.g. ``per_processor=4,block_n=32``."""
 
     # Fastest at each of five shapes with the tree's own mask on an H200 once the pieces fill whole waves
@@ -63,6 +64,7 @@ class SplitTuning:
     block_m: int = 64
     warps: int = 4
     stages: int = 3
+    fused_merge: int = 0  # not timed yet: results/deep_gpu/h100/v31/job.sh's sweep times it
 
     def __post_init__(self):
         for name in ("per_processor", "min_piece", "block_n", "block_m", "warps", "stages"):
@@ -72,6 +74,8 @@ class SplitTuning:
             value = getattr(self, name)
             if value < least or value & (value - 1):
                 raise ValueError(f"PPD_SPLIT_TUNING: {name} must be a power of two of at least {least}, got {value}")
+        if self.fused_merge not in (0, 1):
+            raise ValueError(f"PPD_SPLIT_TUNING: fused_merge must be 0 or 1, got {self.fused_merge}")
 
     @classmethod
     def parse(cls, text: str) -> "SplitTuning":
@@ -82,8 +86,8 @@ class SplitTuning:
         for pair in filter(None, (part.strip() for part in text.split(","))):
             name, _, value = (part.strip() for part in pair.partition("="))
             if name not in fields or not value.isdigit():
-                raise ValueError(f"PPD_SPLIT_TUNING: {pair!r} is not one of {sorted(fields)} set to a positive "
-                                 f"integer")
+                raise ValueError(f"PPD_SPLIT_TUNING: {pair!r} is not one of {sorted(fields)} set to a whole "
+                                 f"number")
             values[name] = int(value)
         return cls(**values)
 
@@ -160,7 +164,24 @@ def split_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             raise ValueError(f"split attention needs the {name}'s last dimension contiguous")
     tuning = TUNING if tuning is None else tuning
     return torch.ops.ppd.split_attention(query, key, value, mask, lengths, float(scale), pieces, tuning.per_processor,
-                                         tuning.min_piece, tuning.block_n, tuning.block_m, tuning.warps, tuning.stages)
+                                         tuning.min_piece, tuning.block_n, tuning.block_m, tuning.warps, tuning.stages,
+                                         tuning.fused_merge)
+
+
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, count: int) -> torch.Tensor:
+    """At least ``count`` int32 counters on ``device``, zero, kept for every later call on the current stream (the
+    fused merge's: each launch leaves them at zero again). A stream has its own, so that kernels running side by
+    side never share one; they are made once at the largest size asked, before any graph capture where the
+    decoder's warm-up first runs the step eagerly."""
+    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+    key = (device, stream)
+    found = _COUNTERS.get(key)
+    if found is None or found.numel() < count:
+        found = _COUNTERS[key] = torch.zeros(max(count, 1024), device=device, dtype=torch.int32)
+    return found
 
 
 def _result(query: torch.Tensor) -> torch.Tensor:
@@ -172,10 +193,10 @@ def _result(query: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("ppd::split_attention", mutates_args=(),
                          schema="(Tensor query, Tensor key, Tensor value, Tensor mask, Tensor? lengths, float scale, "
                                 "int pieces, int per_processor, int min_piece, int block_n, int block_m, int warps, "
-                                "int stages) "
+                                "int stages, int fused_merge) "
                                 "-> Tensor")
 def _operator(query, key, value, mask, lengths, scale, pieces, per_processor, min_piece, block_n, block_m, warps,
-              stages):
+              stages, fused_merge):
     batch, heads, rows, dim = query.shape
     key_heads, width = key.shape[1], key.shape[2]
     group = heads // key_heads
@@ -189,21 +210,24 @@ def _operator(query, key, value, mask, lengths, scale, pieces, per_processor, mi
     piece = _round_up(-(-width // pieces), block_n)  # slots per piece
     pieces = -(-width // piece)
     whole = pieces == 1  # the one piece writes the result itself
+    fused = bool(fused_merge) and not whole
     out = torch.empty(pieces, batch, key_heads, folded, dim, device=query.device, dtype=torch.float32)
     lse = torch.empty(pieces, batch, key_heads, folded, device=query.device, dtype=torch.float32)
     result = _result(query)
     tree = lengths is not None
     kernels = _kernels(query.device)
+    counters = _counters(query.device, batch * key_heads * tiles) if fused else lse
     kernels.kernel[(pieces, batch * key_heads, tiles)](
-        query, key, value, mask, lengths if tree else lse, out, lse, result,
+        query, key, value, mask, lengths if tree else lse, out, lse, result, counters,
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2), mask.stride(0), mask.stride(2),
         out.stride(0), out.stride(1), out.stride(2), out.stride(3), lse.stride(0), lse.stride(1), lse.stride(2),
         result.stride(0), result.stride(1), result.stride(2),
         rows, folded, width, piece, scale,
         GROUP=group, KEY_HEADS=key_heads, HEAD_DIM=dim, BLOCK_D=block_d, BM=block_m, BN=block_n, TREE=tree,
-        WHOLE=whole, PRECISION="ieee" if query.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
-    if not whole:
+        WHOLE=whole, FUSED=fused, PRECISION="ieee" if query.dtype == torch.float32 else "tf32", num_warps=warps,
+        num_stages=stages)
+    if not whole and not fused:
         spread = max(2, 1 << (pieces - 1).bit_length())  # the pieces, rounded up to a power of two
         fit = max(1, MERGE_ELEMENTS // (spread * block_d))  # rows whose pieces a merging program can hold
         merged_rows = min(64, 1 << (fit.bit_length() - 1))  # a power of two
@@ -216,7 +240,8 @@ def _operator(query, key, value, mask, lengths, scale, pieces, per_processor, mi
 
 
 @_operator.register_fake
-def _(query, key, value, mask, lengths, scale, pieces, per_processor, min_piece, block_n, block_m, warps, stages):
+def _(query, key, value, mask, lengths, scale, pieces, per_processor, min_piece, block_n, block_m, warps, stages,
+      fused_merge):
     return _result(query)
 
 

@@ -30,20 +30,23 @@ def _block(query, keys, values, mask, first, stop, column0, t, row_ok, d, d_ok, 
     return new_best, total, acc
 
 
-def pieces(q, k, v, mask, lengths, out, lse, result,
+def pieces(q, k, v, mask, lengths, out, lse, result, counters,
            q_b, q_h, q_t, k_b, k_h, k_w, v_b, v_h, v_w, m_b, m_t, o_p, o_b, o_h, o_r, l_p, l_b, l_h, r_b, r_h, r_t,
            rows, folded, width, piece, scale,
            GROUP: tl.constexpr, KEY_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
            BLOCK_D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, TREE: tl.constexpr, WHOLE: tl.constexpr,
-           PRECISION: tl.constexpr):
+           FUSED: tl.constexpr, PRECISION: tl.constexpr):
     """One piece of the cache for one batch row, key head and tile of folded rows: writes that piece's softmax-
     weighted values (normalised within the piece) and its log-sum-exp, or with ``WHOLE`` (one piece spans the
     width) the attention's result itself into ``result`` (query heads' layout, the query's dtype). ``mask`` is
     added to the scores: the whole width's ``[B, 1, T, W]``, cut into pieces of ``piece`` slots, or with ``TREE``
     the tree's own ``[B, 1, T, T]``, slot ``L_b + j`` its column ``j``, every slot below the row's length ``L_b``
     seen and nothing past ``L_b + T`` read, those ``L_b + T`` slots shared out evenly among the programs along the
-    first axis (an empty piece writes a log-sum-exp of minus infinity). ``PRECISION``: the products' input precision
-    (``ieee`` for float32 inputs, which would otherwise be multiplied in TF32)."""
+    first axis (an empty piece writes a log-sum-exp of minus infinity). With ``FUSED`` the pieces merge themselves:
+    each program counts itself done in ``counters`` (one per batch row, key head and tile, zero between launches)
+    and the last of a tile's pieces merges them all (:func:`_merge_rows`) and sets its counter back to zero, so
+    that no merging kernel follows. ``PRECISION``: the products' input precision (``ieee`` for float32 inputs,
+    which would otherwise be multiplied in TF32)."""
     part = tl.program_id(0)
     batch_head = tl.program_id(1).to(tl.int64)  # offsets in 64 bits: a cache layer may hold 2^31 values or more
     tile = tl.program_id(2)
@@ -97,6 +100,44 @@ def pieces(q, k, v, mask, lengths, out, lse, result,
         tl.store(out + part.to(tl.int64) * o_p + b * o_b + h * o_h + r[:, None] * o_r + d[None, :], acc,
                  mask=row_ok[:, None] & d_ok[None, :])
         tl.store(lse + part.to(tl.int64) * l_p + b * l_b + h * l_h + r, best + tl.log(total), mask=row_ok)
+        if FUSED:
+            # Every thread's stores before the count (a barrier, then the count's release); the last piece's
+            # acquire makes the others' stores visible to it, and its loads skip the processor's own cache.
+            tl.debug_barrier()
+            counter = counters + batch_head * tl.num_programs(2) + tile
+            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if done == tl.num_programs(0) - 1:
+                _merge_rows(out + b * o_b + h * o_h, lse + b * l_b + h * l_h, result + b * r_b, o_p, o_r, l_p,
+                            r_h, r_t, r, row_ok, t, (h * GROUP + g), d, d_ok, tl.num_programs(0), BM=BM,
+                            BLOCK_D=BLOCK_D)
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _merge_rows(out, lse, result, o_p, o_r, l_p, r_h, r_t, r, row_ok, t, head, d, d_ok, count, BM: tl.constexpr,
+                BLOCK_D: tl.constexpr):
+    """The ``count`` pieces of one tile's folded rows ``r`` merged by their log-sum-exp, one piece after another
+    (a running maximum, as the online softmax keeps), and written into ``result`` (query heads' layout, the query's
+    dtype); a piece that read no slot weighs nothing."""
+    best = tl.full([BM], float("-inf"), tl.float32)
+    total = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, BLOCK_D], tl.float32)
+    for _ in range(0, count):  # the pointers step a piece at a time (a piece's offset may pass 32 bits)
+        sums = tl.load(lse + r, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        part = tl.load(out + r[:, None] * o_r + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+                       cache_modifier=".cg")
+        lse += l_p
+        out += o_p
+        new_best = tl.maximum(best, sums)
+        shift = tl.where(new_best == float("-inf"), 0.0, new_best)
+        kept = tl.exp(best - shift)
+        weight = tl.exp(sums - shift)
+        total = total * kept + weight
+        acc = acc * kept[:, None] + part * weight[:, None]
+        best = new_best
+    merged = acc / tl.maximum(total, 1e-30)[:, None]
+    tl.store(result + head[:, None] * r_h + t[:, None] * r_t + d[None, :], merged.to(result.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])
 
 
 def merge(out, lse, result, o_p, o_b, o_h, o_r, l_p, l_b, l_h, r_b, r_h, r_t, rows, folded, count,

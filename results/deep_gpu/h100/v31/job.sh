@@ -8,7 +8,8 @@
 # In the order they matter:
 # (1) the split kernel's GPU tests (a kernel changed since the last lease);
 # (2) the kernel alone at served shapes (rows shorter than the captured width): balanced pieces at the default
-#     tuning against one piece and against more pieces (model-free, a minute or two);
+#     tuning against one piece, more pieces, and pieces that merge themselves (fused_merge=1, no merging kernel;
+#     each tuning checked against SDPA three times first) (model-free, a minute or two);
 # (3) issue 14's decoder table through the continuous batcher, batch 1-32, current defaults;
 # (4) issue 14's server table, 1, 4, 16 and 64 clients, in one run (Inductor's cache warm from (3));
 # (5) the constant/symbolic tree sizes A/B at 16 rows over 160 prompts each, the symbolic one first (cold), then the
@@ -32,8 +33,9 @@ rows() { echo "rc $1"; grep -E "^\|" "$2" | head -n "${3:-6}" | cut -c1-300; }
     > $R/logs/tests.log 2>&1; echo "rc $?"; tail -n 2 $R/logs/tests.log
   t sweep; timeout 240 python results/deep_gpu/split_sweep.py --ways tree --repeats 30 \
     --shapes 1,40,300,512 4,40,300,512 16,40,300,512 32,40,300,512 16,40,600,1024 1,40,8000 16,17,8000 \
-    --tunings min_piece=4096 min_piece=128 min_piece=64 per_processor=4 --output $R/split_sweep_served.json \
-    > $R/logs/sweep.log 2>&1; echo "rc $?"; grep -E "mask: one row|best" $R/logs/sweep.log | cut -c1-220
+    --tunings min_piece=4096 min_piece=128 min_piece=64 per_processor=4 fused_merge=1 fused_merge=1,min_piece=128 \
+    fused_merge=1,min_piece=64 fused_merge=1,per_processor=4 --output $R/split_sweep_served.json \
+    > $R/logs/sweep.log 2>&1; echo "rc $?"; grep -E "mask: one row|best|not timed" $R/logs/sweep.log | cut -c1-220
   t continuous; timeout 900 $C --batch_sizes 32 16 8 4 2 1 --output $R/continuous_b1-32.json \
     --plot $R/continuous_b1-32.png > $R/logs/continuous.log 2>&1; rows $? $R/logs/continuous.log 9
   t load; timeout 900 $L --clients 64 16 4 1 --server_args="$E --max_seq_len 1024 --max_batch 64" \
