@@ -141,10 +141,11 @@ MODULE_HEADROOM_GIB = 10.0  # what a module may add to a test process's resident
 HEADROOM_WAIT_S = 300.0
 
 
-def _meminfo_gib(field: str) -> float | None:
-    """A ``/proc/meminfo`` field in GiB (Linux), or None where it cannot be read."""
+def _meminfo_gib(field: str, path: str = "/proc/meminfo") -> float | None:
+    """A ``/proc/meminfo`` field (or another such file's, e.g. ``/proc/self/status``) in GiB (Linux), or None where
+    it cannot be read."""
     try:
-        with open("/proc/meminfo") as f:
+        with open(path) as f:
             fields = dict(line.split(":", 1) for line in f)
         return int(fields[field].split()[0]) / 2**20
     except (OSError, KeyError, ValueError):
@@ -168,8 +169,25 @@ def _wait_for_headroom() -> None:
         time.sleep(2.0)
 
 
+MEMORY_LOG_ENV = "PPD_TEST_MEMORY_LOG"  # a file: each module's name and the test process's peak so far, appended
+
+
+def _log_peak(module: str) -> None:
+    """Where ``$PPD_TEST_MEMORY_LOG`` names a file, append the module, this process's resident memory now and its
+    peak so far (GiB): a module that raises the peak is the one to trim."""
+    path = os.environ.get(MEMORY_LOG_ENV)
+    if not path:
+        return
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    now = _meminfo_gib("VmRSS", "/proc/self/status")
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')} {module} now {now or 0:.2f} peak {peak:.2f}\n")
+
+
 @pytest.fixture(autouse=True, scope="module")
-def _free_compiled_steps():
+def _free_compiled_steps(request):
     """Drop what a test module left behind once it is done: the compiled variants of every module's decoders
     (with the caches they were traced on), the weights the shared real model packed for the row counts that
     module's decoders ran (``ppd.decoding.packed_linear``; up to 770 MB each), and the heap's free pages.
@@ -177,6 +195,7 @@ def _free_compiled_steps():
     (:func:`_wait_for_headroom`)."""
     _wait_for_headroom()
     yield
+    _log_peak(request.module.__name__)
     import gc
 
     from ppd.decoding.packed_linear import PackedLinear
