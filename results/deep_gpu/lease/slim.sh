@@ -7,7 +7,7 @@
 # two calls instead of fourteen. `slim.sh off` restores the index and the exclude file. Commit nothing in between:
 # the index then says results/ is deleted.
 #   bash results/deep_gpu/lease/slim.sh on results/deep_gpu/h100/v31 \
-#       results/deep_gpu/{split_sweep,attention_feed,busy_throughput}.py
+#       results/deep_gpu/{split_sweep,attention_feed}.py
 #   bash results/deep_gpu/lease/stage.sh ... (the leases) ... bash results/deep_gpu/lease/slim.sh off
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prepared in the thirty-fourth session for the next lease (H100 or H200). Stage with (the folder, the scripts it runs)
 #   bash results/deep_gpu/lease/slim.sh on results/deep_gpu/h100/v31 \
-#       results/deep_gpu/{split_sweep,attention_feed,busy_throughput}.py
+#       results/deep_gpu/{split_sweep,attention_feed}.py
 # and `bash results/deep_gpu/lease/stage.sh` (two calls), then launch this; outputs in /root/res/v31.
 # Since v30: the split kernel shares each row's own slots among its pieces instead of cutting the captured width
 # (a short row left the later pieces empty), and the server's warm-up reads and writes PPD_COMPILE_CACHE.
@@ -40,7 +40,6 @@ rows() { echo "rc $1"; grep -E "^\|" "$2" | head -n "${3:-6}" | cut -c1-300; }
     --plot $R/continuous_b1-32.png > $R/logs/continuous.log 2>&1; rows $? $R/logs/continuous.log 9
   t load; timeout 900 $L --clients 64 16 4 1 --server_args="$E --max_seq_len 1024 --max_batch 64" \
     --output $R/load.json --plot $R/load.png > $R/logs/load.log 2>&1; rows $? $R/logs/load.log 10
-  python results/deep_gpu/busy_throughput.py $R/load.json > $R/logs/busy.log 2>&1; tail -n 12 $R/logs/busy.log
   t continuous_symbolic; PPD_TREE_SHAPES=symbolic timeout 600 $C --batch_sizes 16 --prompts 160 \
     --output $R/continuous_b16_symbolic.json > $R/logs/continuous_symbolic.log 2>&1
   rows $? $R/logs/continuous_symbolic.log
