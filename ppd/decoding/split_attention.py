@@ -168,20 +168,20 @@ def split_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                          tuning.fused_merge)
 
 
-_COUNTERS: dict[tuple, torch.Tensor] = {}
+_COUNTERS: dict[tuple, list[torch.Tensor]] = {}
 
 
 def _counters(device: torch.device, count: int) -> torch.Tensor:
     """At least ``count`` int32 counters on ``device``, zero, kept for every later call on the current stream (the
     fused merge's: each launch leaves them at zero again). A stream has its own, so that kernels running side by
-    side never share one; they are made once at the largest size asked, before any graph capture where the
-    decoder's warm-up first runs the step eagerly."""
+    side never share one. Where a call needs more than the stream's latest, a larger set is made and the smaller
+    ones are kept too: a captured graph may still point at them (one made while a graph was captured comes from that
+    graph's memory pool and stays allocated while held here)."""
     stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
-    key = (device, stream)
-    found = _COUNTERS.get(key)
-    if found is None or found.numel() < count:
-        found = _COUNTERS[key] = torch.zeros(max(count, 1024), device=device, dtype=torch.int32)
-    return found
+    made = _COUNTERS.setdefault((device, stream), [])
+    if not made or made[-1].numel() < count:
+        made.append(torch.zeros(max(count, 1024), device=device, dtype=torch.int32))
+    return made[-1]
 
 
 def _result(query: torch.Tensor) -> torch.Tensor:
