@@ -669,8 +669,17 @@ def main(argv: list[str] | None = None) -> int:
             ready_s = None
         model_id = served_model(url, headers) or args.model or "default"
         counter = counter or TokenCounter.load(args.tokenizer or args.model or model_id)
-        rows, records = asyncio.run(run_levels(url, model_id, prompts, args, counter,
-                                               server.check if server is not None else lambda: None))
+        # The client's own collector pauses would stall every stream at once and read as the server's gaps.
+        from ppd.serving.heap import CollectionWatch, freeze_heap, thaw_heap
+
+        freeze_heap()
+        collections = CollectionWatch().start()
+        try:
+            rows, records = asyncio.run(run_levels(url, model_id, prompts, args, counter,
+                                                   server.check if server is not None else lambda: None))
+        finally:
+            collections.stop()
+            thaw_heap()
     except ServerError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -688,6 +697,8 @@ def main(argv: list[str] | None = None) -> int:
         "temperature": 0.0, "clients": args.clients, "methods": args.methods, "requests": args.requests,
         "warmup": args.warmup, "token_counting": counter.name,
         "environment": environment(_server_device(server_args)),
+        "client_collections": {"slower_than_ms": collections.slow_ms, "slow": collections.slow,
+                               "longest_ms": round(collections.longest_ms, 1)},
         "summary": rows, "records": records,
     }
     errors = sum(r["errors"] for r in rows) + sum(1 for r in records if r.get("warmup") and r.get("error"))

@@ -43,6 +43,7 @@ from ..decoding.prefill_graphs import warm_prompt_lengths
 from ..decoding.state import REASONS, REPORT_HEAD, RUNNING, DecodeState
 from ..decoding.step import StepKind
 from ..downloads import Download
+from .heap import CollectionWatch, freeze_heap, thaw_heap
 from .stream import EngineClosedError, QueueFullError, Stream
 
 if TYPE_CHECKING:
@@ -59,6 +60,9 @@ class BatcherConfig:
     # Where prefills replay graphs on a GPU: a joining request's prefill runs on a side stream, beside the running
     # rows' steps; False queues it on their stream, between two steps (the host waits for neither; for comparison).
     prefill_beside: bool = True
+    # Freeze the heap the load and warm-up built when the thread starts (``serving.heap``), so that the garbage
+    # collector's full passes stop walking it; thawed again at close. False leaves the collector alone.
+    freeze_heap: bool = True
 
     def __post_init__(self) -> None:
         self.capture = CaptureMode(self.capture)
@@ -94,6 +98,7 @@ class ContinuousBatcher:
         self.steps_run = 0  # forward passes of every lane so far, prefills included
         self.batch_steps = 0  # of them, the steps over a lane's running rows (its admissions' prefills not)
         self.error: BaseException | None = None
+        self._collections: CollectionWatch | None = None  # while the thread runs: logs slow collections
 
     # ------------------------------------------------------------------ life cycle
     def __enter__(self) -> "ContinuousBatcher":
@@ -104,6 +109,9 @@ class ContinuousBatcher:
 
     def start(self) -> "ContinuousBatcher":
         if self._thread is None:
+            if self.config.freeze_heap:
+                freeze_heap()
+            self._collections = CollectionWatch().start()
             self._thread = threading.Thread(target=self._run, name="ppd-batcher", daemon=True)
             self._thread.start()
         return self
@@ -115,6 +123,11 @@ class ContinuousBatcher:
             self._cond.notify_all()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
+        if self._collections is not None:
+            self._collections.stop()
+            self._collections = None
+            if self.config.freeze_heap:
+                thaw_heap()
 
     def warmup(self, methods: tuple[str, ...] | None = None, greedy: bool = True) -> float:
         """Capture (and compile) ahead of time the steps of every bucket up to ``max_batch`` for these

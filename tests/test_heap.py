@@ -1,0 +1,63 @@
+"""The serving loop's heap: frozen while a batcher runs, thawed after, and slow collections logged."""
+
+import gc
+import logging
+import weakref
+
+from ppd import DecodeConfig, Decoder
+from ppd.serving import BatcherConfig, ContinuousBatcher
+from ppd.serving.heap import CollectionWatch, freeze_heap, thaw_heap
+from tests.conftest import random_prompt_tokens, random_tree_set, tiny_model
+
+
+class Node:
+    def __init__(self):
+        self.other = self
+
+
+def test_frozen_objects_stay_until_the_last_thaw_and_their_cycles_are_collected_after():
+    gc.unfreeze()
+    first = Node()
+    ref = weakref.ref(first)
+    freeze_heap()
+    freeze_heap()  # a second engine in the same process
+    assert gc.get_freeze_count() > 0
+    del first  # a cycle that became garbage while frozen: no collection frees it
+    gc.collect()
+    assert ref() is not None
+    thaw_heap()
+    assert gc.get_freeze_count() > 0, "one engine still serves: the heap stays frozen"
+    thaw_heap()
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert ref() is None
+    thaw_heap()  # one more thaw than freezes changes nothing
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_slow_collection_is_logged_and_counted(caplog):
+    watch = CollectionWatch(slow_ms=-1.0).start()  # every collection counts as slow
+    try:
+        with caplog.at_level(logging.WARNING, logger="ppd.serving.heap"):
+            gc.collect()
+    finally:
+        watch.stop()
+    assert watch.slow >= 1 and watch.longest_ms >= 0.0
+    assert "garbage collection of generation 2" in caplog.text
+    seen = watch.slow
+    gc.collect()
+    assert watch.slow == seen, "a stopped watch counts nothing"
+
+
+def test_a_running_batcher_serves_from_a_frozen_heap_and_thaws_it_when_closed():
+    gc.unfreeze()
+    model = tiny_model(seed=3)
+    decoder = Decoder(model, random_prompt_tokens(model, 3, 1, seed=3), random_tree_set(seed=7, size=12))
+    for freeze in (True, False):
+        with ContinuousBatcher(decoder, BatcherConfig(max_batch=2, freeze_heap=freeze)) as batcher:
+            assert (gc.get_freeze_count() > 0) is freeze
+            alone = decoder.generate([1, 2, 3], DecodeConfig(max_new_tokens=6))
+            assert batcher.submit([1, 2, 3], DecodeConfig(max_new_tokens=6)).result(timeout=60).token_ids \
+                == alone.token_ids
+        assert gc.get_freeze_count() == 0
+        assert not any(isinstance(c, CollectionWatch) for c in gc.callbacks)
