@@ -53,7 +53,7 @@ from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_deco
 from ppd.config import CaptureMode, DecodeConfig
 from ppd.decoder import PromptTooLongError
 from ppd.decoding import graphs
-from ppd.serving import BatcherConfig, ContinuousBatcher, EngineClosedError, QueueFullError
+from ppd.serving import BatcherConfig, ContinuousBatcher, EngineClosedError, QueueFullError, heap
 
 from .openai_api import (APIError, ChatCompletionRequest, CompletionRequest, chunk_object, completion_object,
                          error_body, model_list, new_id, now, ppd_stats, sse, text_events, usage, usage_chunk,
@@ -432,6 +432,14 @@ class ReadyServer(uvicorn.Server):
             print(f"ppd serving {self.model_id} on http://{host}:{port}", flush=True)
 
 
+def log_to_stderr(name: str, level: int) -> None:
+    """Show the records of logger ``name`` from ``level`` up on stderr (uvicorn configures only its own loggers)."""
+    log = logging.getLogger(name)
+    log.setLevel(level)
+    if not log.handlers:
+        log.addHandler(logging.StreamHandler(sys.stderr))
+
+
 def server_stack(http: str, loop: str) -> tuple[str, str]:
     """The HTTP implementation and event loop uvicorn runs (``auto``: the C ones where installed; ValueError
     for a C one asked for and missing). Each streamed chunk costs the server's one thread the HTTP framing, the
@@ -474,10 +482,8 @@ def main(argv: list[str] | None = None) -> int:
             # Minutes on a GPU (each step kind compiled, every bucket captured): say each graph as it is made.
             print(f"compiling and capturing the decoding steps for every batch size up to {args.max_batch}",
                   flush=True)
-            captures = logging.getLogger(graphs.__name__)
-            captures.setLevel(logging.INFO)
-            if not captures.handlers:
-                captures.addHandler(logging.StreamHandler(sys.stderr))
+            log_to_stderr(graphs.__name__, logging.INFO)
+        log_to_stderr(heap.__name__, logging.WARNING)  # each garbage collection that holds the batcher up
         seconds = batcher.warmup()  # before the thread starts, while nothing runs (nothing to do on a CPU)
         if seconds:
             print(f"decoding steps compiled and captured in {seconds:.1f} s, for every batch size up to "

@@ -641,6 +641,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--clients, --requests and --max_tokens must be at least 1")
     if args.warmup is not None and args.warmup < 0:
         parser.error("--warmup must be at least 0")
+    from ppd.serving.heap import CollectionWatch, freeze_heap, slow_collections_in, thaw_heap
+
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     server_args = shlex.split(args.server_args)
     prompts = [q.turns[0] for q in load_benchmark(args.bench)]
@@ -670,8 +672,6 @@ def main(argv: list[str] | None = None) -> int:
         model_id = served_model(url, headers) or args.model or "default"
         counter = counter or TokenCounter.load(args.tokenizer or args.model or model_id)
         # The client's own collector pauses would stall every stream at once and read as the server's gaps.
-        from ppd.serving.heap import CollectionWatch, freeze_heap, thaw_heap
-
         freeze_heap()
         collections = CollectionWatch().start()
         try:
@@ -687,6 +687,15 @@ def main(argv: list[str] | None = None) -> int:
         if server is not None:
             code = server.stop()
             _progress(f"server stopped (exit status {code}); log: {server.log}")
+    server_collections = None
+    if server is not None:  # what the server's log says of garbage collections that held its batcher up
+        try:
+            server_collections = slow_collections_in(server.log.read_text(encoding="utf-8", errors="replace"))
+        except OSError:
+            pass
+        if server_collections and server_collections["count"]:
+            _progress(f"the server logged {server_collections['count']} slow garbage collections, the longest "
+                      f"{server_collections['longest_ms']} ms")
 
     result = {
         "command": "python -m eval.load " + shlex.join(redacted(argv)),
@@ -697,6 +706,7 @@ def main(argv: list[str] | None = None) -> int:
         "temperature": 0.0, "clients": args.clients, "methods": args.methods, "requests": args.requests,
         "warmup": args.warmup, "token_counting": counter.name,
         "environment": environment(_server_device(server_args)),
+        "server_slow_collections": server_collections,
         "client_collections": {"slower_than_ms": collections.slow_ms, "slow": collections.slow,
                                "longest_ms": round(collections.longest_ms, 1)},
         "summary": rows, "records": records,

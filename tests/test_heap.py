@@ -6,7 +6,7 @@ import weakref
 
 from ppd import DecodeConfig, Decoder
 from ppd.serving import BatcherConfig, ContinuousBatcher
-from ppd.serving.heap import CollectionWatch, freeze_heap, thaw_heap
+from ppd.serving.heap import CollectionWatch, freeze_heap, slow_collections_in, thaw_heap
 from tests.conftest import random_prompt_tokens, random_tree_set, tiny_model
 
 
@@ -44,6 +44,9 @@ def test_a_slow_collection_is_logged_and_counted(caplog):
         watch.stop()
     assert watch.slow >= 1 and watch.longest_ms >= 0.0
     assert "garbage collection of generation 2" in caplog.text
+    found = slow_collections_in("server started\n" + caplog.text)  # as eval.load reads a server's log
+    assert found["count"] == watch.slow and 0 <= found["longest_ms"] <= watch.longest_ms + 1
+    assert slow_collections_in("no collection here") == {"count": 0, "longest_ms": 0}
     seen = watch.slow
     gc.collect()
     assert watch.slow == seen, "a stopped watch counts nothing"

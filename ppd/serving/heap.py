@@ -16,12 +16,17 @@ from __future__ import annotations
 
 import gc
 import logging
+import re
 import threading
 import time
 
 logger = logging.getLogger(__name__)
 
 SLOW_COLLECTION_MS = 20.0  # a collection longer than this is logged: about ten steps of a small model at batch 1
+# The warning a slow collection logs, and how a reader of the log (``eval.load``, of a server's) finds its length.
+SLOW_COLLECTION_MESSAGE = ("a garbage collection of generation %d held the interpreter for %.0f ms "
+                           "(%d objects collected)")
+SLOW_COLLECTION_LINE = re.compile(r"a garbage collection of generation \d held the interpreter for (\d+) ms")
 
 _lock = threading.Lock()
 _freezes = 0  # engines serving from a frozen heap: the last one to stop thaws it
@@ -35,6 +40,12 @@ def freeze_heap() -> int:
         gc.freeze()
         _freezes += 1
         return gc.get_freeze_count()
+
+
+def slow_collections_in(text: str) -> dict:
+    """The slow collections a log's ``text`` reports: how many, and the longest in milliseconds (0 if none)."""
+    lengths = [int(m.group(1)) for m in SLOW_COLLECTION_LINE.finditer(text)]
+    return {"count": len(lengths), "longest_ms": max(lengths, default=0)}
 
 
 def thaw_heap() -> None:
@@ -72,8 +83,7 @@ class CollectionWatch:
         self.longest_ms = max(self.longest_ms, ms)
         if ms > self.slow_ms:
             self.slow += 1
-            logger.warning("a garbage collection of generation %d held the interpreter for %.0f ms "
-                           "(%d objects collected)", info.get("generation", -1), ms, info.get("collected", 0))
+            logger.warning(SLOW_COLLECTION_MESSAGE, info.get("generation", -1), ms, info.get("collected", 0))
 
     def start(self) -> "CollectionWatch":
         if self not in gc.callbacks:

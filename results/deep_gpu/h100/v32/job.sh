@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Prepared in the thirty-fifth session for the next lease (H100 or H200). Stage with (the folder, the scripts it runs)
+#   bash results/deep_gpu/lease/slim.sh on results/deep_gpu/h100/v32
+# and `bash results/deep_gpu/lease/stage.sh` (two calls); then, if .gpu_keep/ holds v31's compiled artifacts
+# (compiled_v31_h100.tgz, 10 MB, brought back by peek.sh; git-ignored), one more call with carry=[".gpu_keep"] that
+# launches this, so that the first warm-up loads them (PPD_COMPILE_CACHE) instead of compiling from nothing.
+# Outputs in /root/res/v32.
+# Since v31: a ContinuousBatcher freezes the heap its warm-up built when it starts (gc.freeze; thawed at close) and
+# logs any garbage collection over 20 ms; eval.load's client does the same, and its JSON records how many slow
+# collections the server's log and the client saw. v31's 64-client level lost 568 ms to one stop of the whole
+# server (ppd 0.84x; 0.97x with the collector switched off).
+# In the order they matter:
+# (1) issue 14's server table, 64, 16, 4 and 1 clients, one launched server (first: what changed is the server's);
+# (2) the 16-client level twice more, the methods in both orders (its figure moved 1.32-1.53x between runs);
+# (3) issue 14's decoder table through the continuous batcher, batch 1-32;
+# (4) the batcher at 8 and 16 rows over 160 prompts (the runs v31 timed with the collector off).
+set -u
+source /root/tree/results/deep_gpu/lease/job_env.sh v32
+export PPD_COMPILE_CACHE=/root/keep/compiled
+mkdir -p "$PPD_COMPILE_CACHE"
+kept=/root/tree/.gpu_keep/compiled_v31_h100.tgz
+E="--dtype bfloat16 --capture compiled_graph"
+C="python -m eval.batch_speed $E --batching continuous --bench mt_bench --max_new_tokens 256 --max_seq_len 1024"
+L="python -m eval.load --launch --model smollm2-135m-instruct --bench mt_bench --max_tokens 256"
+S="--server_args=$E --max_seq_len 1024 --max_batch 64"
+rows() { echo "rc $1"; grep -E "^\||slow garbage" "$2" | head -n "${3:-6}" | cut -c1-300; }
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  if [ -f "$kept" ]; then t kept; tar xzf "$kept" -C /root/keep && du -sm "$PPD_COMPILE_CACHE"; fi
+  t load; timeout 900 $L --methods ppd baseline --clients 64 16 4 1 "$S" --output $R/load.json --plot $R/load.png \
+    > $R/logs/load.log 2>&1; rows $? $R/logs/load.log 11
+  t load16_baseline_first; timeout 400 $L --methods baseline ppd --clients 16 "$S" --output $R/load16_b.json \
+    > $R/logs/load16_b.log 2>&1; rows $? $R/logs/load16_b.log 5
+  t load16_ppd_first; timeout 400 $L --methods ppd baseline --clients 16 "$S" --output $R/load16_p.json \
+    > $R/logs/load16_p.log 2>&1; rows $? $R/logs/load16_p.log 5
+  t continuous; timeout 900 $C --batch_sizes 32 16 8 4 2 1 --output $R/continuous_b1-32.json \
+    --plot $R/continuous_b1-32.png > $R/logs/continuous.log 2>&1; rows $? $R/logs/continuous.log 9
+  t continuous_160; timeout 600 $C --batch_sizes 16 8 --prompts 160 --output $R/continuous_b8_16.json \
+    > $R/logs/continuous_160.log 2>&1; rows $? $R/logs/continuous_160.log
+  t end
+} > /root/res/job.log 2>&1
+echo "JOB DONE" >> /root/res/job.log
