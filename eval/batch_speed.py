@@ -29,7 +29,9 @@ batch stays full but for the last prompts' drain, and no row waits for a batch's
 prompt's new tokens over the wall time from the first submission to the last answer; each variant warms its
 batcher up (every bucket up to B) and decodes one untimed round of B short answers first, then all prompts,
 one variant after another. ``ms_per_pass`` is then the wall time over the batch's steps (admissions' prefills
-included), and ``mean_rows`` the running rows a step averaged.
+included), ``mean_rows`` the running rows a step averaged, and ``admission_steps`` (where prefills run in a
+staging row, on a GPU) the steps a joining prompt spent, on average, waiting for that row and with its prefill
+in flight there before its row joined the batch.
 Each batch size's rows are written to ``--output`` as soon as they are measured: a run cut off (a time limit,
 a machine taken back) keeps them, and the same command run again measures only the batch sizes missing; a
 cut-off file of other settings is refused (one line, exit status 2).
@@ -47,6 +49,7 @@ import torch
 from ppd.cli import add_adapter_args, add_engine_args, add_model_args, load_decoder_or_exit, tree_files
 from ppd.config import DecodeConfig
 from ppd.serving import BatcherConfig, ContinuousBatcher
+from ppd.serving.batcher import AdmissionSteps
 
 from .benchmarks import load_benchmark
 from .gen_answers import prompt_ids, turn_messages
@@ -120,7 +123,8 @@ def run(args: argparse.Namespace) -> tuple[dict, PartialRun]:
         for row in rows:
             print(f"batch {batch:4d} | {row['variant']} | {row['tokens_per_s']:9.1f} tokens/s | accept length "
                   f"{row['accept_length'] or 0:.2f} | {row['ms_per_pass']:.2f} ms a pass, "
-                  + (f"{row['mean_rows']:.1f} rows a step" if continuous else f"prefills {row['prefill_s']:.2f} s")
+                  + (f"{row['mean_rows']:.1f} rows a step{admissions(row['admission_steps'])}" if continuous
+                     else f"prefills {row['prefill_s']:.2f} s")
                   + f" | warm-up {row['warmup_s']:.0f} s ({len(row['captures'])} graphs, the slowest "
                   f"{max((c['seconds'] for c in row['captures']), default=0):.0f} s)", file=sys.stderr)
         baseline = next(r["tokens_per_s"] for r in rows if r["variant"] == "baseline")
@@ -137,6 +141,14 @@ def captured_since(decoder, before: int) -> list[dict]:
     """The graphs ``decoder`` captured after its first ``before`` (the first of a step kind compiles it)."""
     return [{"tree": c.kind.tree, "batch_size": c.batch_size, "width": c.width, "seconds": c.seconds}
             for c in decoder.captures[before:]]
+
+
+def admissions(steps: dict) -> str:
+    """``admission_steps`` in words, where prompts joined through a staging row."""
+    if not steps["admissions"]:
+        return ""
+    return (f", {steps['admissions']} joined after {steps['waiting']:.1f} steps waiting and "
+            f"{steps['in_flight']:.1f} in flight")
 
 
 def result_row(batch: int, name: str, decoder, method: str, count: int, outs: list, wall: float,
@@ -203,6 +215,7 @@ def continuous_rows(variants: dict, prompts: list[list[int]], batch: int,
             for stream in [batcher.submit(ids, short) for ids in prompts[:batch]]:
                 stream.result()
             steps_before = batcher.batch_steps
+            batcher.admission_steps = AdmissionSteps()  # the timed prompts' admissions only
             start = time.perf_counter()
             outs = [stream.result() for stream in [batcher.submit(ids, config) for ids in prompts]]
             wall = time.perf_counter() - start
@@ -210,7 +223,8 @@ def continuous_rows(variants: dict, prompts: list[list[int]], batch: int,
         outputs[name] = [o.token_ids for o in outs]
         rows.append(result_row(batch, name, dec, method, len(prompts), outs, wall, args, warmup_s=warmup,
                                captures=captured_since(dec, before), ms_per_pass=1e3 * wall / max(steps, 1),
-                               mean_rows=sum(o.steps for o in outs) / max(steps, 1)))
+                               mean_rows=sum(o.steps for o in outs) / max(steps, 1),
+                               admission_steps=batcher.admission_steps.means()))
     return outputs, rows
 
 

@@ -118,6 +118,9 @@ def test_requests_join_through_the_staging_row_while_the_batch_runs_ahead(monkey
     decode_a_mix_with_a_cancel(batcher, exact, seed=6)
     assert all(lane.staging is not None for lane in batcher._lanes.values())
     assert sum(pending_at_read) >= 5  # steps ran while a request was being prefilled
+    # Every request joined through the staging row; prefills read as not run yet kept some in flight for steps.
+    stats = batcher.admission_steps
+    assert stats.admissions == 15 and stats.in_flight >= 1 and stats.waiting >= 1
 
 
 def test_a_whole_row_copy_grouped_by_dtype_leaves_what_the_sliced_copy_leaves(decoder, monkeypatch):

@@ -97,6 +97,7 @@ class ContinuousBatcher:
         self._admitting = 0  # requests taken from the queue whose prefill has not reported yet
         self.steps_run = 0  # forward passes of every lane so far, prefills included
         self.batch_steps = 0  # of them, the steps over a lane's running rows (its admissions' prefills not)
+        self.admission_steps = AdmissionSteps()  # where joining requests spent their lane's steps (staging row)
         self.error: BaseException | None = None
         self._collections: CollectionWatch | None = None  # while the thread runs: logs slow collections
 
@@ -273,10 +274,26 @@ class ContinuousBatcher:
 
 
 @dataclass
+class AdmissionSteps:
+    """Where requests that joined through a staging row spent their lane's steps: waiting for the staging row
+    (``waiting``: from being taken from the queue to their prefill's launch) and with their prefill in flight
+    there (``in_flight``: from its launch to the copy of their row into the batch), summed over ``admissions``."""
+
+    admissions: int = 0
+    waiting: int = 0
+    in_flight: int = 0
+
+    def means(self) -> dict:
+        n = max(self.admissions, 1)
+        return {"admissions": self.admissions, "waiting": self.waiting / n, "in_flight": self.in_flight / n}
+
+
+@dataclass
 class _Pending:
     stream: Stream
     ids: list[int]
     config: DecodeConfig
+    taken_at: int = 0  # its lane's steps queued when it was taken from the queue
 
 
 @dataclass
@@ -285,6 +302,7 @@ class _Flight:
 
     pending: _Pending
     report: Download
+    launched_at: int  # its lane's steps queued when its prefill was
 
 
 @dataclass
@@ -308,6 +326,7 @@ class _Lane:
     # prefill in the staging row is under way (its row not copied into the batch yet).
     joining: collections.deque = field(default_factory=collections.deque)
     flight: "_Flight | None" = None
+    steps: int = 0  # steps queued over its rows so far
 
     def __post_init__(self) -> None:
         decoder = self.batcher.decoder
@@ -392,6 +411,8 @@ class _Lane:
         prefilled there together, now; with one (prefills replayed from graphs) they join one by one through it
         (:meth:`advance_admissions`)."""
         if self.staging is not None:
+            for pending in joining:
+                pending.taken_at = self.steps
             self.joining.extend(joining)
             return
         decoder = self.batcher.decoder
@@ -447,7 +468,7 @@ class _Lane:
                     self.side.wait_event(self._staging_free)
             with torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext():
                 self.prefill_alone(pending.ids, pending.config)
-                return _Flight(pending, Download(self.staging.report[:1]))
+                return _Flight(pending, Download(self.staging.report[:1]), launched_at=self.steps)
 
     def _join(self, flight: "_Flight") -> None:
         """Copy the staging row of a prefill that has run into the row after the running ones (queued after the
@@ -455,6 +476,10 @@ class _Lane:
         token."""
         self.flight = None
         pending, length = flight.pending, len(flight.pending.ids)
+        stats = self.batcher.admission_steps
+        stats.admissions += 1
+        stats.waiting += flight.launched_at - pending.taken_at
+        stats.in_flight += self.steps - flight.launched_at
         with torch.no_grad():
             flight.report.order_after()
             self.state.kv.reserve(length)
@@ -485,6 +510,7 @@ class _Lane:
                        StepKind.of(False, [row.config for row in self.rows]), batcher._exact, batcher._whole)
             batcher.steps_run += 1
             batcher.batch_steps += 1
+            self.steps += 1
             # The rows as they stand when the step is queued: removals move rows before its report is read.
             self.queued.append((Download(view.report[:n]), list(self.rows)))
         self.advance_admissions()  # a prefill started now runs beside the steps just queued
