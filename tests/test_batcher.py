@@ -91,7 +91,8 @@ def test_requests_prefilled_in_the_staging_row_decode_what_they_decode_alone():
     assert {key[1:3] for key in graphs._graphs} == {(1, 64), (1, 128)}
 
 
-def test_requests_join_through_the_staging_row_while_the_batch_runs_ahead(monkeypatch):
+@pytest.mark.parametrize("admissions", ["after_step", "before_step"])
+def test_requests_join_through_the_staging_row_while_the_batch_runs_ahead(monkeypatch, admissions):
     """On a GPU a joining request's prefill runs in the staging row beside the running rows' steps, and its row is
     copied into the batch only once that prefill has run. Here (run ahead forced, the staging row's padded prefill
     run without capture) a prefill reads as not run yet two times in three: rows are stepped, finish, are cancelled
@@ -113,7 +114,7 @@ def test_requests_join_through_the_staging_row_while_the_batch_runs_ahead(monkey
     model = tiny_model(seed=3)
     tokens, trees = random_prompt_tokens(model, 3, 1, seed=3), random_tree_set(seed=7, size=12)
     staged, exact = (Decoder(model, tokens, trees, eos_token_ids=[5]) for _ in range(2))
-    batcher = ContinuousBatcher(staged, BatcherConfig(max_batch=4))
+    batcher = ContinuousBatcher(staged, BatcherConfig(max_batch=4, admissions=admissions))
     batcher._runner.prefill_graphs = PrefillGraphs(capture=False)
     decode_a_mix_with_a_cancel(batcher, exact, seed=6)
     assert all(lane.staging is not None for lane in batcher._lanes.values())
@@ -121,6 +122,36 @@ def test_requests_join_through_the_staging_row_while_the_batch_runs_ahead(monkey
     # Every request joined through the staging row; prefills read as not run yet kept some in flight for steps.
     stats = batcher.admission_steps
     assert stats.admissions == 15 and stats.in_flight >= 1 and stats.waiting >= 1
+
+
+def test_admitting_before_the_step_joins_each_request_a_step_sooner(monkeypatch):
+    """With every prefill read as run at once (run ahead forced; here a prefill has run when it returns), a
+    request taken from the queue is prefilled and joins after its lane's next step is queued when admissions
+    follow the step, and before it when they come first: one step sooner; the tokens are the same."""
+    from ppd.decoding.prefill_graphs import PrefillGraphs
+
+    monkeypatch.setenv("PPD_RUN_AHEAD", "1")
+    model = tiny_model(seed=3)
+    tokens, trees = random_prompt_tokens(model, 3, 1, seed=3), random_tree_set(seed=7, size=12)
+    reqs = requests(4, 10)
+    answers, steps = {}, {}
+    for admissions in ("after_step", "before_step"):
+        monkeypatch.setenv("PPD_ADMISSIONS", admissions)  # the config's default comes from the environment
+        decoder = Decoder(model, tokens, trees, eos_token_ids=[5])
+        batcher = ContinuousBatcher(decoder, BatcherConfig(max_batch=3))
+        assert batcher.config.admissions == admissions
+        batcher._runner.prefill_graphs = PrefillGraphs(capture=False)
+        with batcher:
+            streams = [batcher.submit(ids, DecodeConfig(max_new_tokens=n)) for ids, n in reqs]
+            answers[admissions] = [s.result(timeout=120).token_ids for s in streams]
+        stats = batcher.admission_steps
+        assert stats.admissions == len(reqs)
+        steps[admissions] = (stats.waiting + stats.in_flight) / stats.admissions
+    assert answers["before_step"] == answers["after_step"]
+    assert steps["before_step"] < steps["after_step"]
+    monkeypatch.setenv("PPD_ADMISSIONS", "sometimes")
+    with pytest.raises(ValueError, match="PPD_ADMISSIONS must be after_step or before_step"):
+        BatcherConfig()
 
 
 def test_a_whole_row_copy_grouped_by_dtype_leaves_what_the_sliced_copy_leaves(decoder, monkeypatch):

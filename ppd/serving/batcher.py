@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import compile_cache
-from ..config import CaptureMode, DecodeConfig, DecodeMethod
+from ..config import CaptureMode, DecodeConfig, DecodeMethod, env_choice
 from ..decoding.graphs import captures_graphs, compiles_prefill, resolve_mode
 from ..decoding.loop import batch_bucket, prefill, queue_step, reset_rows, runs_ahead, steps_to_prepare, whole_width
 from ..decoding.prefill_graphs import warm_prompt_lengths
@@ -51,6 +51,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+ADMISSIONS_ENV = "PPD_ADMISSIONS"
+ADMISSIONS = ("after_step", "before_step")  # BatcherConfig.admissions: the first is the default
+
 
 @dataclass
 class BatcherConfig:
@@ -63,6 +66,12 @@ class BatcherConfig:
     # Freeze the heap the load and warm-up built when the thread starts (``serving.heap``), so that the garbage
     # collector's full passes stop walking it; thawed again at close. False leaves the collector alone.
     freeze_heap: bool = True
+    # With a staging row: when a lane's step first looks for a joining request's prefill that has run, and starts
+    # the next one. ``after_step`` (the default) queues the next step first, so the host's admission work never
+    # keeps the device waiting, and the joined row takes part in the step after; ``before_step`` admits first, so
+    # the row takes part in the step queued now and the next prefill starts a step earlier, beside the step in
+    # flight. Default from $PPD_ADMISSIONS.
+    admissions: str = field(default_factory=lambda: env_choice(ADMISSIONS_ENV, ADMISSIONS, ADMISSIONS[0]))
 
     def __post_init__(self) -> None:
         self.capture = CaptureMode(self.capture)
@@ -70,6 +79,8 @@ class BatcherConfig:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.admissions not in ADMISSIONS:
+            raise ValueError(f"admissions must be one of {', '.join(ADMISSIONS)}, got {self.admissions!r}")
 
 
 class ContinuousBatcher:
@@ -500,6 +511,8 @@ class _Lane:
         :func:`~ppd.decoding.loop.decode` does, so the device never waits for the host's bookkeeping."""
         batcher = self.batcher
         depth = 2 if runs_ahead(batcher.decoder.device) else 1
+        if batcher.config.admissions == "before_step":
+            self.advance_admissions()  # a row joined now takes part in the step queued next
         while len(self.queued) < depth:
             n = len(self.rows)
             bucket = batcher._bucket(n)
