@@ -9,11 +9,15 @@
 # logs any garbage collection over 20 ms; eval.load's client does the same, and its JSON records how many slow
 # collections the server's log and the client saw. v31's 64-client level lost 568 ms to one stop of the whole
 # server (ppd 0.84x; 0.97x with the collector switched off).
+# Also since v31 (opt-in): PPD_ADMISSIONS=before_step joins a prefilled request and starts the next prefill before
+# the lane's next step is queued (one step sooner a request); the batcher now counts each admission's steps waiting
+# for the staging row and in flight there (eval.batch_speed prints them).
 # In the order they matter:
 # (1) issue 14's server table, 64, 16, 4 and 1 clients, one launched server (first: what changed is the server's);
-# (2) the 16-client level twice more, the methods in both orders (its figure moved 1.32-1.53x between runs);
-# (3) issue 14's decoder table through the continuous batcher, batch 1-32;
-# (4) the batcher at 8 and 16 rows over 160 prompts (the runs v31 timed with the collector off).
+# (2) issue 14's decoder table through the continuous batcher, batch 1-32;
+# (3) the batcher at 16 and 8 rows over 160 prompts, default admissions;
+# (4) the batcher's GPU tests with PPD_ADMISSIONS=before_step, then (3) with it, then the 16-client server with it
+#     and without it, the methods' order swapped (its figure moved 1.32-1.53x between runs).
 set -u
 source /root/tree/results/deep_gpu/lease/job_env.sh v32
 export PPD_COMPILE_CACHE=/root/keep/compiled
@@ -29,14 +33,20 @@ rows() { echo "rc $1"; grep -E "^\||slow garbage" "$2" | head -n "${3:-6}" | cut
   if [ -f "$kept" ]; then t kept; tar xzf "$kept" -C /root/keep && du -sm "$PPD_COMPILE_CACHE"; fi
   t load; timeout 900 $L --methods ppd baseline --clients 64 16 4 1 "$S" --output $R/load.json --plot $R/load.png \
     > $R/logs/load.log 2>&1; rows $? $R/logs/load.log 11
-  t load16_baseline_first; timeout 400 $L --methods baseline ppd --clients 16 "$S" --output $R/load16_b.json \
-    > $R/logs/load16_b.log 2>&1; rows $? $R/logs/load16_b.log 5
-  t load16_ppd_first; timeout 400 $L --methods ppd baseline --clients 16 "$S" --output $R/load16_p.json \
-    > $R/logs/load16_p.log 2>&1; rows $? $R/logs/load16_p.log 5
   t continuous; timeout 900 $C --batch_sizes 32 16 8 4 2 1 --output $R/continuous_b1-32.json \
     --plot $R/continuous_b1-32.png > $R/logs/continuous.log 2>&1; rows $? $R/logs/continuous.log 9
+  grep -E "^batch" $R/logs/continuous.log | cut -c1-250
   t continuous_160; timeout 600 $C --batch_sizes 16 8 --prompts 160 --output $R/continuous_b8_16.json \
-    > $R/logs/continuous_160.log 2>&1; rows $? $R/logs/continuous_160.log
+    > $R/logs/continuous_160.log 2>&1; rows $? $R/logs/continuous_160.log; grep -E "^batch" $R/logs/continuous_160.log
+  t tests_before_step; PPD_ADMISSIONS=before_step timeout 300 python -m pytest -q -p no:cacheprovider \
+    tests/test_batcher.py -k gpu > $R/logs/tests_before_step.log 2>&1; echo "rc $?"; tail -n 1 $R/logs/tests_before_step.log
+  t continuous_160_before_step; PPD_ADMISSIONS=before_step timeout 600 $C --batch_sizes 16 8 --prompts 160 \
+    --output $R/continuous_b8_16_before_step.json > $R/logs/continuous_160_before_step.log 2>&1
+  rows $? $R/logs/continuous_160_before_step.log; grep -E "^batch" $R/logs/continuous_160_before_step.log
+  t load16_before_step; PPD_ADMISSIONS=before_step timeout 400 $L --methods baseline ppd --clients 16 "$S" \
+    --output $R/load16_before_step.json > $R/logs/load16_before_step.log 2>&1; rows $? $R/logs/load16_before_step.log 5
+  t load16_after_step; timeout 400 $L --methods baseline ppd --clients 16 "$S" --output $R/load16_after_step.json \
+    > $R/logs/load16_after_step.log 2>&1; rows $? $R/logs/load16_after_step.log 5
   t end
 } > /root/res/job.log 2>&1
 echo "JOB DONE" >> /root/res/job.log
