@@ -57,7 +57,9 @@ class RecordingEngine(ChatEngine):
 @pytest.fixture(scope="module")
 def engine():
     args = webui.make_parser().parse_args(["--device", "cpu"])
-    return RecordingEngine(load_decoder(args))
+    recording = RecordingEngine(load_decoder(args))
+    yield recording
+    recording.close()
 
 
 def _free_port() -> int:
@@ -249,13 +251,14 @@ def test_max_new_tokens_beyond_what_the_window_leaves_ends_the_answer_at_the_win
     small = Decoder(engine.decoder.model, engine.decoder.prompt_tokens, engine.decoder.trees,
                     engine.decoder.eos_token_ids, max_seq_len=window)
     chat = ChatEngine(replace(engine.loaded, decoder=small))
-    assert chat.context_window == window
-    reply = chat.reply(user, max_new_tokens=window)  # the whole window asked for: what is left is decoded
-    assert reply.finish_reason == "max_length" and reply.new_tokens == 6
-    with pytest.raises(SettingError, match=f"from 1 to {window} "):
-        chat.prepare(user, max_new_tokens=window + 1)
-    with pytest.raises(PromptTooLongError, match=f"tokens but the decoder's max_seq_len is {window}"):
-        chat.prepare([{"role": "user", "content": QUESTION + " word" * 10}], max_new_tokens=1)
+    with closing(chat):
+        assert chat.context_window == window
+        reply = chat.reply(user, max_new_tokens=window)  # the whole window asked for: what is left is decoded
+        assert reply.finish_reason == "max_length" and reply.new_tokens == 6
+        with pytest.raises(SettingError, match=f"from 1 to {window} "):
+            chat.prepare(user, max_new_tokens=window + 1)
+        with pytest.raises(PromptTooLongError, match=f"tokens but the decoder's max_seq_len is {window}"):
+            chat.prepare([{"role": "user", "content": QUESTION + " word" * 10}], max_new_tokens=1)
 
 
 def test_bad_api_requests_are_refused_at_once_while_the_model_is_busy(engine, app_url):

@@ -6,7 +6,8 @@ on an H100 one such pass stopped the server's batcher for 568 ms in the middle o
 (``results/deep_gpu/h100/v31/``), and the ppd lane, which happened to be running, lost 16 % of its throughput.
 
 ``freeze_heap`` moves everything alive into the collector's permanent generation once the warm-up is done (as
-serving engines do after their graph captures), so later collections walk only what serving allocates.
+serving engines do after their graph captures), so later collections walk only what serving allocates; the first
+engine of a process to start freezes, the last to stop thaws.
 ``thaw_heap`` undoes it when serving ends, so that a process that goes on (a benchmark that builds one
 batcher after another) can collect the cycles the closed engine leaves behind. ``CollectionWatch`` logs any
 collection that still takes long, naming its generation and duration.
@@ -33,11 +34,15 @@ _freezes = 0  # engines serving from a frozen heap: the last one to stop thaws i
 
 
 def freeze_heap() -> int:
-    """Collect once, then freeze every object alive. Returns the objects the permanent generation holds."""
+    """Collect once, then freeze every object alive, unless an engine already serves from a frozen heap (then
+    this one's later objects stay with the collector: freezing again would also freeze whatever a finished piece
+    of work left unreachable meanwhile, for as long as the first engine serves). Returns the objects the
+    permanent generation holds."""
     global _freezes
     with _lock:
-        gc.collect()
-        gc.freeze()
+        if _freezes == 0:
+            gc.collect()
+            gc.freeze()
         _freezes += 1
         return gc.get_freeze_count()
 
