@@ -54,8 +54,9 @@ def slow_collections_in(text: str) -> dict:
 
 
 def thaw_heap() -> None:
-    """Undo one :func:`freeze_heap`; the last one returns the frozen objects to the collector's oldest
-    generation, so cycles that became garbage while frozen are found by its next full pass."""
+    """Undo one :func:`freeze_heap`; the last one returns the frozen objects to the collector and collects once,
+    so that cycles which became garbage while frozen (a closed engine's among them) are freed now, not at a full
+    pass that may come much later."""
     global _freezes
     with _lock:
         if _freezes == 0:
@@ -63,6 +64,7 @@ def thaw_heap() -> None:
         _freezes -= 1
         if _freezes == 0:
             gc.unfreeze()
+            gc.collect()
 
 
 class CollectionWatch:
