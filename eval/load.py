@@ -673,12 +673,12 @@ def main(argv: list[str] | None = None) -> int:
         counter = counter or TokenCounter.load(args.tokenizer or args.model or model_id)
         # The client's own collector pauses would stall every stream at once and read as the server's gaps.
         freeze_heap()
-        collections = CollectionWatch().start()
+        client_watch = CollectionWatch().start()
         try:
             rows, records = asyncio.run(run_levels(url, model_id, prompts, args, counter,
                                                    server.check if server is not None else lambda: None))
         finally:
-            collections.stop()
+            client_watch.stop()
             thaw_heap()
     except ServerError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -707,8 +707,8 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": args.warmup, "token_counting": counter.name,
         "environment": environment(_server_device(server_args)),
         "server_slow_collections": server_collections,
-        "client_collections": {"slower_than_ms": collections.slow_ms, "slow": collections.slow,
-                               "longest_ms": round(collections.longest_ms, 1)},
+        "client_collections": {"slower_than_ms": client_watch.slow_ms, "slow": client_watch.slow,
+                               "longest_ms": round(client_watch.longest_ms, 1)},
         "summary": rows, "records": records,
     }
     errors = sum(r["errors"] for r in rows) + sum(1 for r in records if r.get("warmup") and r.get("error"))
