@@ -707,8 +707,7 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": args.warmup, "token_counting": counter.name,
         "environment": environment(_server_device(server_args)),
         "server_slow_collections": server_collections,
-        "client_collections": {"slower_than_ms": client_watch.slow_ms, "slow": client_watch.slow,
-                               "longest_ms": round(client_watch.longest_ms, 1)},
+        "client_slow_collections": client_watch.summary(), "slow_collection_ms": client_watch.slow_ms,
         "summary": rows, "records": records,
     }
     errors = sum(r["errors"] for r in rows) + sum(1 for r in records if r.get("warmup") and r.get("error"))

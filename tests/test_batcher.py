@@ -154,6 +154,18 @@ def test_admitting_before_the_step_joins_each_request_a_step_sooner(monkeypatch)
         BatcherConfig()
 
 
+def test_the_side_streams_priority_comes_from_the_environment_and_a_wrong_one_is_refused(monkeypatch):
+    assert BatcherConfig().prefill_priority == "normal"
+    monkeypatch.setenv("PPD_PREFILL_PRIORITY", "high")
+    assert BatcherConfig().prefill_priority == "high"
+    monkeypatch.setenv("PPD_PREFILL_PRIORITY", "urgent")
+    with pytest.raises(ValueError, match="PPD_PREFILL_PRIORITY must be normal or high"):
+        BatcherConfig()
+    monkeypatch.delenv("PPD_PREFILL_PRIORITY")
+    with pytest.raises(ValueError, match="prefill_priority must be one of normal, high"):
+        BatcherConfig(prefill_priority="low")
+
+
 def test_a_whole_row_copy_grouped_by_dtype_leaves_what_the_sliced_copy_leaves(decoder, monkeypatch):
     """A GPU copies a row (a joining request's from the staging state, or a row moved into a freed one) whole, in
     one foreach copy per dtype, from views made once per row. Here (the same code on the CPU) it leaves every

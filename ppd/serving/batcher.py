@@ -53,6 +53,8 @@ logger = logging.getLogger(__name__)
 
 ADMISSIONS_ENV = "PPD_ADMISSIONS"
 ADMISSIONS = ("after_step", "before_step")  # BatcherConfig.admissions: the first is the default
+PREFILL_PRIORITY_ENV = "PPD_PREFILL_PRIORITY"
+PREFILL_PRIORITIES = ("normal", "high")  # BatcherConfig.prefill_priority: the first is the default
 
 
 @dataclass
@@ -72,6 +74,11 @@ class BatcherConfig:
     # the row takes part in the step queued now and the next prefill starts a step earlier, beside the step in
     # flight. Default from $PPD_ADMISSIONS.
     admissions: str = field(default_factory=lambda: env_choice(ADMISSIONS_ENV, ADMISSIONS, ADMISSIONS[0]))
+    # The side stream's priority on a GPU: ``high`` lets the joining request's prefill kernels take the device's
+    # free blocks before the running rows' step kernels queued beside them (a shorter admission, slower steps while
+    # it runs). Default from $PPD_PREFILL_PRIORITY.
+    prefill_priority: str = field(default_factory=lambda: env_choice(PREFILL_PRIORITY_ENV, PREFILL_PRIORITIES,
+                                                                     PREFILL_PRIORITIES[0]))
 
     def __post_init__(self) -> None:
         self.capture = CaptureMode(self.capture)
@@ -81,6 +88,9 @@ class BatcherConfig:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.admissions not in ADMISSIONS:
             raise ValueError(f"admissions must be one of {', '.join(ADMISSIONS)}, got {self.admissions!r}")
+        if self.prefill_priority not in PREFILL_PRIORITIES:
+            raise ValueError(f"prefill_priority must be one of {', '.join(PREFILL_PRIORITIES)}, "
+                             f"got {self.prefill_priority!r}")
 
 
 class ContinuousBatcher:
@@ -353,9 +363,11 @@ class _Lane:
                                             and not self.batcher._compiled_prefill else None)
         # On a GPU the staging row's prefills run on a stream of their own, beside the running rows' steps; the
         # event says when the last row copied out of the staging state has been copied (it may be written again).
-        self.side: torch.cuda.Stream | None = (torch.cuda.Stream(decoder.device) if self.staging is not None
-                                               and decoder.device.type == "cuda"
-                                               and self.batcher.config.prefill_beside else None)
+        config = self.batcher.config
+        priority = -1 if config.prefill_priority == "high" else 0  # CUDA: the lower number runs first
+        self.side: torch.cuda.Stream | None = (torch.cuda.Stream(decoder.device, priority=priority)
+                                               if self.staging is not None and decoder.device.type == "cuda"
+                                               and config.prefill_beside else None)
         self._staging_free: torch.cuda.Event | None = None
 
     @property

@@ -69,7 +69,7 @@ def thaw_heap() -> None:
 
 class CollectionWatch:
     """While started, logs a warning for each garbage collection longer than ``slow_ms`` and counts them
-    (``slow``, ``longest_ms``)."""
+    (``slow``, ``longest_ms``; :meth:`summary` gives them as :func:`slow_collections_in` reads them from a log)."""
 
     def __init__(self, slow_ms: float = SLOW_COLLECTION_MS):
         self.slow_ms = slow_ms
@@ -91,6 +91,10 @@ class CollectionWatch:
         if ms > self.slow_ms:
             self.slow += 1
             logger.warning(SLOW_COLLECTION_MESSAGE, info.get("generation", -1), ms, info.get("collected", 0))
+
+    def summary(self) -> dict:
+        """How many collections were slow and the longest collection in milliseconds."""
+        return {"count": self.slow, "longest_ms": round(self.longest_ms, 1)}
 
     def start(self) -> "CollectionWatch":
         if self not in gc.callbacks:
