@@ -15,9 +15,10 @@
 # In the order they matter:
 # (1) issue 14's server table, 64, 16, 4 and 1 clients, one launched server (first: what changed is the server's);
 # (2) issue 14's decoder table through the continuous batcher, batch 1-32;
-# (3) the batcher at 16 and 8 rows over 160 prompts, default admissions;
+# (3) the batcher at 16 rows over 160 prompts, default admissions;
 # (4) the batcher's GPU tests with PPD_ADMISSIONS=before_step, then (3) with it, then the 16-client server with it
-#     and without it, the methods' order swapped (its figure moved 1.32-1.53x between runs).
+#     and without it, the methods' order swapped (its figure moved 1.32-1.53x between runs). The GPU tests also run
+#     with PPD_PREFILL_PRIORITY=high (the side stream at high priority, added this session), and (3) once with it.
 set -u
 source /root/tree/results/deep_gpu/lease/job_env.sh v32
 export PPD_COMPILE_CACHE=/root/keep/compiled
@@ -36,13 +37,16 @@ rows() { echo "rc $1"; grep -E "^\||slow garbage" "$2" | head -n "${3:-6}" | cut
   t continuous; timeout 900 $C --batch_sizes 32 16 8 4 2 1 --output $R/continuous_b1-32.json \
     --plot $R/continuous_b1-32.png > $R/logs/continuous.log 2>&1; rows $? $R/logs/continuous.log 9
   grep -E "^batch" $R/logs/continuous.log | cut -c1-250
-  t continuous_160; timeout 600 $C --batch_sizes 16 8 --prompts 160 --output $R/continuous_b8_16.json \
+  t continuous_160; timeout 600 $C --batch_sizes 16 --prompts 160 --output $R/continuous_b16.json \
     > $R/logs/continuous_160.log 2>&1; rows $? $R/logs/continuous_160.log; grep -E "^batch" $R/logs/continuous_160.log
-  t tests_before_step; PPD_ADMISSIONS=before_step timeout 300 python -m pytest -q -p no:cacheprovider \
+  t tests_before_step; PPD_ADMISSIONS=before_step PPD_PREFILL_PRIORITY=high timeout 300 python -m pytest -q -p no:cacheprovider \
     tests/test_batcher.py -k gpu > $R/logs/tests_before_step.log 2>&1; echo "rc $?"; tail -n 1 $R/logs/tests_before_step.log
-  t continuous_160_before_step; PPD_ADMISSIONS=before_step timeout 600 $C --batch_sizes 16 8 --prompts 160 \
-    --output $R/continuous_b8_16_before_step.json > $R/logs/continuous_160_before_step.log 2>&1
+  t continuous_160_before_step; PPD_ADMISSIONS=before_step timeout 600 $C --batch_sizes 16 --prompts 160 \
+    --output $R/continuous_b16_before_step.json > $R/logs/continuous_160_before_step.log 2>&1
   rows $? $R/logs/continuous_160_before_step.log; grep -E "^batch" $R/logs/continuous_160_before_step.log
+  t continuous_160_high_priority; PPD_PREFILL_PRIORITY=high timeout 600 $C --batch_sizes 16 --prompts 160 \
+    --output $R/continuous_b16_high_priority.json > $R/logs/continuous_160_high_priority.log 2>&1
+  rows $? $R/logs/continuous_160_high_priority.log; grep -E "^batch" $R/logs/continuous_160_high_priority.log
   t load16_before_step; PPD_ADMISSIONS=before_step timeout 400 $L --methods baseline ppd --clients 16 "$S" \
     --output $R/load16_before_step.json > $R/logs/load16_before_step.log 2>&1; rows $? $R/logs/load16_before_step.log 5
   t load16_after_step; timeout 400 $L --methods baseline ppd --clients 16 "$S" --output $R/load16_after_step.json \
