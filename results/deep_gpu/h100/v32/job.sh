@@ -19,6 +19,10 @@
 # (4) the batcher's GPU tests with PPD_ADMISSIONS=before_step, then (3) with it, then the 16-client server with it
 #     and without it, the methods' order swapped (its figure moved 1.32-1.53x between runs). The GPU tests also run
 #     with PPD_PREFILL_PRIORITY=high (the side stream at high priority, added this session), and (3) once with it.
+# Reworked in the thirty-sixth session, whose lease began with less than 20 minutes left: each part is a function,
+# run in the order $JOB_ORDER names (default: the one above, with (5) before the tests and the server's A/B), and
+# (5) batches 32, 16 and 8 (160 prompts) with two small trees: the policy runs the one-row step at 32, chosen from
+# H200 timings of an older, slower tree step, and the 40-row tree at 16 and 8.
 set -u
 source /root/tree/results/deep_gpu/lease/job_env.sh v32
 export PPD_COMPILE_CACHE=/root/keep/compiled
@@ -29,28 +33,44 @@ C="python -m eval.batch_speed $E --batching continuous --bench mt_bench --max_ne
 L="python -m eval.load --launch --model smollm2-135m-instruct --bench mt_bench --max_tokens 256"
 S="--server_args=$E --max_seq_len 1024 --max_batch 64"
 rows() { echo "rc $1"; grep -E "^\||slow garbage" "$2" | head -n "${3:-6}" | cut -c1-300; }
+load() {
+  timeout 900 $L --methods ppd baseline --clients 64 16 4 1 "$S" --output $R/load.json --plot $R/load.png \
+    > $R/logs/load.log 2>&1; rows $? $R/logs/load.log 11
+}
+continuous() {
+  timeout 900 $C --batch_sizes 32 16 8 4 2 1 --output $R/continuous_b1-32.json \
+    --plot $R/continuous_b1-32.png > $R/logs/continuous.log 2>&1; rows $? $R/logs/continuous.log 9
+  grep -E "^batch" $R/logs/continuous.log | cut -c1-250
+}
+# the batcher over 160 prompts at batch 16, with the environment's switches ($1 names the output)
+continuous_160() {
+  timeout 600 $C --batch_sizes 16 --prompts 160 --output $R/continuous_b16${1:-}.json > $R/logs/continuous_160${1:-}.log 2>&1
+  rows $? $R/logs/continuous_160${1:-}.log; grep -E "^batch" $R/logs/continuous_160${1:-}.log
+}
+before_step() { PPD_ADMISSIONS=before_step continuous_160 _before_step; }
+high_priority() { PPD_PREFILL_PRIORITY=high continuous_160 _high_priority; }
+b32_trees() {
+  timeout 600 $C --batch_sizes 32 16 8 --prompts 160 --trees results/lookup/trees/tree_8_lookup8.json \
+    results/lookup/trees/tree_16_lookup8.json --output $R/continuous_b32_trees.json > $R/logs/continuous_b32_trees.log 2>&1
+  rows $? $R/logs/continuous_b32_trees.log 8; grep -E "^batch" $R/logs/continuous_b32_trees.log
+}
+tests() {
+  PPD_ADMISSIONS=before_step PPD_PREFILL_PRIORITY=high timeout 300 python -m pytest -q -p no:cacheprovider \
+    tests/test_batcher.py -k gpu > $R/logs/tests_before_step.log 2>&1; echo "rc $?"; tail -n 1 $R/logs/tests_before_step.log
+}
+load16() {  # $1: the admissions
+  PPD_ADMISSIONS=$1 timeout 400 $L --methods baseline ppd --clients 16 "$S" --output $R/load16_$1.json \
+    > $R/logs/load16_$1.log 2>&1; rows $? $R/logs/load16_$1.log 5
+}
+load16_before_step() { load16 before_step; }
+load16_after_step() { load16 after_step; }
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   if [ -f "$kept" ]; then t kept; tar xzf "$kept" -C /root/keep && du -sm "$PPD_COMPILE_CACHE"; fi
-  t load; timeout 900 $L --methods ppd baseline --clients 64 16 4 1 "$S" --output $R/load.json --plot $R/load.png \
-    > $R/logs/load.log 2>&1; rows $? $R/logs/load.log 11
-  t continuous; timeout 900 $C --batch_sizes 32 16 8 4 2 1 --output $R/continuous_b1-32.json \
-    --plot $R/continuous_b1-32.png > $R/logs/continuous.log 2>&1; rows $? $R/logs/continuous.log 9
-  grep -E "^batch" $R/logs/continuous.log | cut -c1-250
-  t continuous_160; timeout 600 $C --batch_sizes 16 --prompts 160 --output $R/continuous_b16.json \
-    > $R/logs/continuous_160.log 2>&1; rows $? $R/logs/continuous_160.log; grep -E "^batch" $R/logs/continuous_160.log
-  t tests_before_step; PPD_ADMISSIONS=before_step PPD_PREFILL_PRIORITY=high timeout 300 python -m pytest -q -p no:cacheprovider \
-    tests/test_batcher.py -k gpu > $R/logs/tests_before_step.log 2>&1; echo "rc $?"; tail -n 1 $R/logs/tests_before_step.log
-  t continuous_160_before_step; PPD_ADMISSIONS=before_step timeout 600 $C --batch_sizes 16 --prompts 160 \
-    --output $R/continuous_b16_before_step.json > $R/logs/continuous_160_before_step.log 2>&1
-  rows $? $R/logs/continuous_160_before_step.log; grep -E "^batch" $R/logs/continuous_160_before_step.log
-  t continuous_160_high_priority; PPD_PREFILL_PRIORITY=high timeout 600 $C --batch_sizes 16 --prompts 160 \
-    --output $R/continuous_b16_high_priority.json > $R/logs/continuous_160_high_priority.log 2>&1
-  rows $? $R/logs/continuous_160_high_priority.log; grep -E "^batch" $R/logs/continuous_160_high_priority.log
-  t load16_before_step; PPD_ADMISSIONS=before_step timeout 400 $L --methods baseline ppd --clients 16 "$S" \
-    --output $R/load16_before_step.json > $R/logs/load16_before_step.log 2>&1; rows $? $R/logs/load16_before_step.log 5
-  t load16_after_step; timeout 400 $L --methods baseline ppd --clients 16 "$S" --output $R/load16_after_step.json \
-    > $R/logs/load16_after_step.log 2>&1; rows $? $R/logs/load16_after_step.log 5
+  for part in ${JOB_ORDER:-load continuous continuous_160 before_step high_priority b32_trees tests load16_before_step \
+      load16_after_step}; do
+    t "$part"; "$part"
+  done
   t end
 } > /root/res/job.log 2>&1
 echo "JOB DONE" >> /root/res/job.log
