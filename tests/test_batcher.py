@@ -1,6 +1,7 @@
 """Continuous batching: requests that join and leave a running batch decode exactly what they decode alone."""
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -124,26 +125,34 @@ def test_requests_join_through_the_staging_row_while_the_batch_runs_ahead(monkey
     assert stats.admissions == 15 and stats.in_flight >= 1 and stats.waiting >= 1
 
 
-def test_admitting_before_the_step_joins_each_request_a_step_sooner(monkeypatch):
-    """With every prefill read as run at once (run ahead forced; here a prefill has run when it returns), a
-    request taken from the queue is prefilled and joins after its lane's next step is queued when admissions
-    follow the step, and before it when they come first: one step sooner; the tokens are the same."""
+def through_a_staging_row(monkeypatch, switch: str, value: str, reqs, config: DecodeConfig, max_batch: int):
+    """Decode ``reqs`` (prompt, max_new_tokens) through a batcher whose admissions go through a staging row as on a
+    GPU (run ahead forced; prefills through uncaptured graphs, each run when it returns), with the environment's
+    ``switch`` (which the batcher's config reads for its default) set to ``value``: the answers and the batcher."""
     from ppd.decoding.prefill_graphs import PrefillGraphs
 
     monkeypatch.setenv("PPD_RUN_AHEAD", "1")
+    monkeypatch.setenv(switch, value)
     model = tiny_model(seed=3)
-    tokens, trees = random_prompt_tokens(model, 3, 1, seed=3), random_tree_set(seed=7, size=12)
+    decoder = Decoder(model, random_prompt_tokens(model, 3, 1, seed=3), random_tree_set(seed=7, size=12),
+                      eos_token_ids=[5])
+    batcher = ContinuousBatcher(decoder, BatcherConfig(max_batch=max_batch))
+    batcher._runner.prefill_graphs = PrefillGraphs(capture=False)
+    with batcher:
+        streams = [batcher.submit(ids, replace(config, max_new_tokens=n)) for ids, n in reqs]
+        return [s.result(timeout=120).token_ids for s in streams], batcher
+
+
+def test_admitting_before_the_step_joins_each_request_a_step_sooner(monkeypatch):
+    """With every prefill read as run at once, a request taken from the queue is prefilled and joins after its
+    lane's next step is queued when admissions follow the step, and before it when they come first: one step
+    sooner; the tokens are the same."""
     reqs = requests(4, 10)
     answers, steps = {}, {}
     for admissions in ("after_step", "before_step"):
-        monkeypatch.setenv("PPD_ADMISSIONS", admissions)  # the config's default comes from the environment
-        decoder = Decoder(model, tokens, trees, eos_token_ids=[5])
-        batcher = ContinuousBatcher(decoder, BatcherConfig(max_batch=3))
+        answers[admissions], batcher = through_a_staging_row(monkeypatch, "PPD_ADMISSIONS", admissions, reqs,
+                                                             DecodeConfig(), max_batch=3)
         assert batcher.config.admissions == admissions
-        batcher._runner.prefill_graphs = PrefillGraphs(capture=False)
-        with batcher:
-            streams = [batcher.submit(ids, DecodeConfig(max_new_tokens=n)) for ids, n in reqs]
-            answers[admissions] = [s.result(timeout=120).token_ids for s in streams]
         stats = batcher.admission_steps
         assert stats.admissions == len(reqs)
         steps[admissions] = (stats.waiting + stats.in_flight) / stats.admissions
@@ -151,6 +160,31 @@ def test_admitting_before_the_step_joins_each_request_a_step_sooner(monkeypatch)
     assert steps["before_step"] < steps["after_step"]
     monkeypatch.setenv("PPD_ADMISSIONS", "sometimes")
     with pytest.raises(ValueError, match="PPD_ADMISSIONS must be after_step or before_step"):
+        BatcherConfig()
+
+
+def test_a_backlog_waited_for_joins_while_fewer_rows_run_than_requests_join(monkeypatch):
+    """With ``backlog="waited"`` the batcher waits for a joining request's prefill while its lane runs fewer rows than
+    requests are joining; past that it joins prefills a later step finds done. Here no prefill is ever found done
+    (``Download.ready`` is False), so with ``beside`` a request joins only once every row has stopped, and with
+    ``waited`` half a burst of six joins at once: fewer steps, the same tokens."""
+    from ppd.downloads import Download
+
+    monkeypatch.setattr(Download, "ready", lambda self: False)
+    reqs = [(ids, 12) for ids, _ in requests(6, 6)]
+    answers, steps = {}, {}
+    for backlog in ("beside", "waited"):
+        answers[backlog], batcher = through_a_staging_row(
+            monkeypatch, "PPD_BACKLOG", backlog, reqs, DecodeConfig(method="baseline", stop_on_eos=False), max_batch=6)
+        assert batcher.config.backlog == backlog
+        steps[backlog] = batcher.batch_steps
+    assert answers["waited"] == answers["beside"]
+    assert all(len(a) == 12 for a in answers["waited"])
+    # beside: six requests one after another, 11 steps each (and a step queued past each one's end); waited: the
+    # first three join at once (1 < 5, 2 < 4 rows running), the others once those three have stopped
+    assert steps["beside"] >= 6 * 11 and steps["waited"] <= 3 * 13
+    monkeypatch.setenv("PPD_BACKLOG", "sometimes")
+    with pytest.raises(ValueError, match="PPD_BACKLOG must be beside or waited"):
         BatcherConfig()
 
 
@@ -438,8 +472,6 @@ def test_a_joining_requests_prefill_never_waits_for_the_device_on_the_gpu(monkey
     waited for the device (a copy from ordinary host memory, a read back), the batcher's thread would stall the
     running rows for the whole prefill; torch's sync debug mode, set to raise, finds any such wait. Requests joining
     a running batch (a lookup chain in the trees, so the history is written) still decode what they do alone."""
-    from dataclasses import replace
-
     from ppd.serving import batcher as batching
 
     launch = batching._Lane._launch

@@ -53,6 +53,8 @@ logger = logging.getLogger(__name__)
 
 ADMISSIONS_ENV = "PPD_ADMISSIONS"
 ADMISSIONS = ("after_step", "before_step")  # BatcherConfig.admissions: the first is the default
+BACKLOG_ENV = "PPD_BACKLOG"
+BACKLOGS = ("beside", "waited")  # BatcherConfig.backlog: the first is the default
 PREFILL_PRIORITY_ENV = "PPD_PREFILL_PRIORITY"
 PREFILL_PRIORITIES = ("normal", "high")  # BatcherConfig.prefill_priority: the first is the default
 
@@ -74,6 +76,13 @@ class BatcherConfig:
     # the row takes part in the step queued now and the next prefill starts a step earlier, beside the step in
     # flight. Default from $PPD_ADMISSIONS.
     admissions: str = field(default_factory=lambda: env_choice(ADMISSIONS_ENV, ADMISSIONS, ADMISSIONS[0]))
+    # With a staging row: how a backlog of joining requests is admitted. ``beside``: each prefill runs beside the
+    # running rows' steps, one request at a time, and joins once a later step finds it done (an H100 at batch 16,
+    # h100/v32: 4-5 steps in flight, 6-7 waiting for the staging row, a burst at the start included). ``waited``:
+    # while the lane runs fewer rows than requests are joining it (a burst, a server's start), the host waits for
+    # each prefill and joins it at once, so the batch fills in the prefills' own time; past that, as ``beside``.
+    # Default from $PPD_BACKLOG.
+    backlog: str = field(default_factory=lambda: env_choice(BACKLOG_ENV, BACKLOGS, BACKLOGS[0]))
     # The side stream's priority on a GPU: ``high`` lets the joining request's prefill kernels take the device's
     # free blocks before the running rows' step kernels queued beside them (a shorter admission, slower steps while
     # it runs). Default from $PPD_PREFILL_PRIORITY.
@@ -88,6 +97,8 @@ class BatcherConfig:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.admissions not in ADMISSIONS:
             raise ValueError(f"admissions must be one of {', '.join(ADMISSIONS)}, got {self.admissions!r}")
+        if self.backlog not in BACKLOGS:
+            raise ValueError(f"backlog must be one of {', '.join(BACKLOGS)}, got {self.backlog!r}")
         if self.prefill_priority not in PREFILL_PRIORITIES:
             raise ValueError(f"prefill_priority must be one of {', '.join(PREFILL_PRIORITIES)}, "
                              f"got {self.prefill_priority!r}")
@@ -461,12 +472,16 @@ class _Lane:
     def advance_admissions(self) -> None:
         """With a staging row: copy the request whose prefill there has run into the batch, and start the next
         joining request's prefill. While rows run (on a GPU), the prefill runs on the side stream and this returns
-        at once, to be called again after the next step; with no row running, each admission is waited for."""
+        at once, to be called again after the next step; with no row running (or, with ``BatcherConfig.backlog``
+        ``waited``, fewer rows running than requests joining), each admission is waited for."""
         if self.staging is None:
             return
+        waits_for_backlog = self.batcher.config.backlog == "waited"
         while True:
             if self.flight is not None:
-                if self.rows and not self.flight.report.ready():
+                backlog = len(self.joining) + 1  # the request in flight and those after it
+                waited = not self.rows or (waits_for_backlog and len(self.rows) < backlog)
+                if not waited and not self.flight.report.ready():
                     return
                 self._join(self.flight)
             if not self.joining:
