@@ -95,13 +95,10 @@ class BatcherConfig:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
-        if self.admissions not in ADMISSIONS:
-            raise ValueError(f"admissions must be one of {', '.join(ADMISSIONS)}, got {self.admissions!r}")
-        if self.backlog not in BACKLOGS:
-            raise ValueError(f"backlog must be one of {', '.join(BACKLOGS)}, got {self.backlog!r}")
-        if self.prefill_priority not in PREFILL_PRIORITIES:
-            raise ValueError(f"prefill_priority must be one of {', '.join(PREFILL_PRIORITIES)}, "
-                             f"got {self.prefill_priority!r}")
+        for name, choices in (("admissions", ADMISSIONS), ("backlog", BACKLOGS),
+                              ("prefill_priority", PREFILL_PRIORITIES)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
 
 
 class ContinuousBatcher:
