@@ -22,9 +22,10 @@
 # Reworked in the thirty-sixth session, whose lease began with less than 20 minutes left: each part is a function,
 # run in the order $JOB_ORDER names (default: the one above, with (5) before the tests and the server's A/B), and
 # (5) batches 32, 16 and 8 (160 prompts) with two small trees: the policy runs the one-row step at 32, chosen from
-# H200 timings of an older, slower tree step, and the 40-row tree at 16 and 8.
+# H200 timings of an older, slower tree step, and the 40-row tree at 16 and 8. ../v33/job.sh runs this script with
+# its own $JOB_VERSION (the results' folder), $JOB_ORDER and $TEST_LEVERS.
 set -u
-source /root/tree/results/deep_gpu/lease/job_env.sh v32
+source /root/tree/results/deep_gpu/lease/job_env.sh "${JOB_VERSION:-v32}"
 export PPD_COMPILE_CACHE=/root/keep/compiled
 mkdir -p "$PPD_COMPILE_CACHE"
 kept=/root/tree/.gpu_keep/compiled_v31_h100.tgz
@@ -49,14 +50,16 @@ continuous_160() {
 }
 before_step() { PPD_ADMISSIONS=before_step continuous_160 _before_step; }
 high_priority() { PPD_PREFILL_PRIORITY=high continuous_160 _high_priority; }
+backlog_waited() { PPD_BACKLOG=waited continuous_160 _backlog_waited; }
 b32_trees() {
   timeout 600 $C --batch_sizes 32 16 8 --prompts 160 --trees results/lookup/trees/tree_8_lookup8.json \
     results/lookup/trees/tree_16_lookup8.json --output $R/continuous_b32_trees.json > $R/logs/continuous_b32_trees.log 2>&1
   rows $? $R/logs/continuous_b32_trees.log 8; grep -E "^batch" $R/logs/continuous_b32_trees.log
 }
-tests() {
-  PPD_ADMISSIONS=before_step PPD_PREFILL_PRIORITY=high timeout 300 python -m pytest -q -p no:cacheprovider \
-    tests/test_batcher.py -k gpu > $R/logs/tests_before_step.log 2>&1; echo "rc $?"; tail -n 1 $R/logs/tests_before_step.log
+tests() {  # with the levers $TEST_LEVERS names
+  env ${TEST_LEVERS:-PPD_ADMISSIONS=before_step PPD_PREFILL_PRIORITY=high} timeout 300 python -m pytest -q \
+    -p no:cacheprovider tests/test_batcher.py -k gpu > $R/logs/tests_levers.log 2>&1; echo "rc $?"
+  tail -n 1 $R/logs/tests_levers.log
 }
 load16() {  # $1: the admissions
   PPD_ADMISSIONS=$1 timeout 400 $L --methods baseline ppd --clients 16 "$S" --output $R/load16_$1.json \
