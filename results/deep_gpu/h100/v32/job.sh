@@ -51,6 +51,7 @@ continuous_160() {
 before_step() { PPD_ADMISSIONS=before_step continuous_160 _before_step; }
 high_priority() { PPD_PREFILL_PRIORITY=high continuous_160 _high_priority; }
 backlog_waited() { PPD_BACKLOG=waited continuous_160 _backlog_waited; }
+levers_all() { ( export ${TEST_LEVERS:?}; continuous_160 _levers_all ); }  # the three levers together
 b32_trees() {
   timeout 600 $C --batch_sizes 32 16 8 --prompts 160 --trees results/lookup/trees/tree_8_lookup8.json \
     results/lookup/trees/tree_16_lookup8.json --output $R/continuous_b32_trees.json > $R/logs/continuous_b32_trees.log 2>&1
