@@ -33,6 +33,7 @@ E="--dtype bfloat16 --capture compiled_graph"
 C="python -m eval.batch_speed $E --batching continuous --bench mt_bench --max_new_tokens 256 --max_seq_len 1024"
 L="python -m eval.load --launch --model smollm2-135m-instruct --bench mt_bench --max_tokens 256"
 S="--server_args=$E --max_seq_len 1024 --max_batch 64"
+E16="--server_args=$E --max_seq_len 1024 --max_batch 16"
 rows() { echo "rc $1"; grep -E "^\||slow garbage" "$2" | head -n "${3:-6}" | cut -c1-300; }
 load() {
   timeout 900 $L --methods ppd baseline --clients 64 16 4 1 "$S" --output $R/load.json --plot $R/load.png \
@@ -62,12 +63,14 @@ tests() {  # with the levers $TEST_LEVERS names
     -p no:cacheprovider tests/test_batcher.py -k gpu > $R/logs/tests_levers.log 2>&1; echo "rc $?"
   tail -n 1 $R/logs/tests_levers.log
 }
-load16() {  # $1: the admissions
-  PPD_ADMISSIONS=$1 timeout 400 $L --methods baseline ppd --clients 16 "$S" --output $R/load16_$1.json \
+load16() {  # $1 names the output; the levers come from the environment. 160 requests (10 a client, v31 ran 4): less
+  # of the level is its drain. The server captures buckets up to 16 only, to start sooner; both methods alike.
+  timeout 400 $L --methods baseline ppd --clients 16 --requests 160 "$E16" --output $R/load16_$1.json \
     > $R/logs/load16_$1.log 2>&1; rows $? $R/logs/load16_$1.log 5
 }
-load16_before_step() { load16 before_step; }
-load16_after_step() { load16 after_step; }
+load16_before_step() { PPD_ADMISSIONS=before_step load16 before_step; }
+load16_after_step() { PPD_ADMISSIONS=after_step load16 after_step; }
+load16_levers_all() { ( export ${TEST_LEVERS:?}; load16 levers_all ); }
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   if [ -f "$kept" ]; then t kept; tar xzf "$kept" -C /root/keep && du -sm "$PPD_COMPILE_CACHE"; fi

@@ -15,9 +15,10 @@
 #     H200 timings of an older, slower tree step, and the 40-row tree at 16 and 8; then (1) with each lever alone;
 # (3) issue 14's decoder table through the continuous batcher, batch 1-32, and its server table, 64, 16, 4 and 1
 #     clients (the heap frozen at the batcher's start: untimed through the server so far);
-# (4) the batcher's GPU tests with all three levers on, then the server at 16 clients with before_step and without.
+# (4) the server at 16 clients (160 requests, buckets to 16) with all three levers and without, after (1); the batcher's
+#     GPU tests with all three levers on.
 # Make a lever the default only where the tests pass and it gains in (1) and in the server.
 export JOB_VERSION=v33 TEST_LEVERS="PPD_ADMISSIONS=before_step PPD_PREFILL_PRIORITY=high PPD_BACKLOG=waited"
-export JOB_ORDER=${JOB_ORDER:-levers_all continuous_160 b32_trees high_priority backlog_waited before_step continuous load \
-  tests load16_before_step load16_after_step}
+export JOB_ORDER=${JOB_ORDER:-levers_all continuous_160 load16_levers_all load16_after_step b32_trees tests high_priority \
+  backlog_waited before_step continuous load load16_before_step}
 exec bash /root/tree/results/deep_gpu/h100/v32/job.sh
