@@ -32,6 +32,12 @@ one variant after another. ``ms_per_pass`` is then the wall time over the batch'
 included), ``mean_rows`` the running rows a step averaged, and ``admission_steps`` (where prefills run in a
 staging row, on a GPU) the steps a joining prompt spent, on average, waiting for that row and with its prefill
 in flight there before its row joined the batch.
+``--batchers`` compares the batcher's own settings in the same process, so that each graph compiles once: each
+``NAME=FIELD:VALUE,...`` (``BatcherConfig`` fields, e.g. ``levers=admissions:before_step,backlog:waited``;
+``default`` alone for the environment's settings) runs every variant under it, named ``<variant>@NAME``, and each
+speed-up is over the baseline under the same settings. ``--rounds R`` decodes the prompts R times, every variant
+in turn each round (one batcher each, warmed up and started before the first), and sums them, so that drift falls
+on all alike.
 Each batch size's rows are written to ``--output`` as soon as they are measured: a run cut off (a time limit,
 a machine taken back) keeps them, and the same command run again measures only the batch sizes missing; a
 cut-off file of other settings is refused (one line, exit status 2).
@@ -40,6 +46,7 @@ cut-off file of other settings is refused (one line, exit status 2).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -70,9 +77,52 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batching", choices=["static", "continuous"], default="static",
                         help="static batches one after another (default), or the serving engine's continuous "
                              "batcher kept full of waiting prompts")
+    parser.add_argument("--batchers", nargs="+", default=None, metavar="NAME=FIELD:VALUE,...",
+                        help="continuous batching: batcher settings to compare in one process, each run with every "
+                             "variant (named <variant>@NAME), e.g. default levers=admissions:before_step,"
+                             f"backlog:waited; fields: {', '.join(BATCHER_FIELDS)}")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="continuous batching: times every variant decodes the prompts, in turn (default: 1)")
     parser.add_argument("--output", default=None, help="JSON file")
     parser.add_argument("--plot", default=None, help="PNG of the speed-up by batch size")
     return parser
+
+
+# The BatcherConfig fields ``--batchers`` may set: the batch's size, queue and capture are the benchmark's own.
+BATCHER_FIELDS = tuple(f.name for f in dataclasses.fields(BatcherConfig)
+                       if f.name not in ("max_batch", "max_queue", "capture"))
+
+
+def batcher_settings(specs: list[str]) -> dict[str, dict]:
+    """``--batchers``' ``NAME=FIELD:VALUE,...`` (or ``default``) as {name: BatcherConfig fields}, each checked
+    by building its config; ValueError names what is wrong."""
+    types = {f.name: f.type for f in dataclasses.fields(BatcherConfig)}
+    found = {}
+    for spec in specs:
+        name, _, fields = spec.partition("=")
+        if not name or "@" in name or name in found or (not fields and name != "default"):
+            raise ValueError(f"--batchers {spec!r}: expected NAME=FIELD:VALUE,... (or 'default') with a new NAME "
+                             "and no '@' in it")
+        settings = {}
+        for item in filter(None, fields.split(",")):
+            field, _, value = item.partition(":")
+            if field not in BATCHER_FIELDS or not value:
+                raise ValueError(f"--batchers {spec!r}: {item!r} is not FIELD:VALUE with FIELD one of "
+                                 f"{', '.join(BATCHER_FIELDS)}")
+            if types[field] in (bool, "bool"):
+                if value.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(f"--batchers {spec!r}: {field} takes true or false, got {value!r}")
+                value = value.lower() in ("true", "1")
+            settings[field] = value
+        BatcherConfig(**settings)  # its own checks
+        found[name] = settings
+    return found
+
+
+def baseline_of(variant: str) -> str:
+    """The baseline a variant's speed-up is over: the one under the same batcher settings."""
+    _, at, settings = variant.partition("@")
+    return f"baseline{at}{settings}"
 
 
 def prompts_for(tokenizer, bench: str, count: int) -> list[list[int]]:
@@ -104,9 +154,13 @@ def run(args: argparse.Namespace) -> tuple[dict, PartialRun]:
     device = decoder.device
     # Each batch size is written as soon as it is measured.
     partial = PartialRun(args.output, run_settings(args, device, ("batch_sizes", "output", "plot")))
-    variants = {"baseline": (decoder, "baseline"), "ppd": (decoder, "ppd")}
+    methods = {"baseline": (decoder, "baseline"), "ppd": (decoder, "ppd")}
     for name, trees in tree_files(args.trees, args.tree_choice, args.lookup).items():
-        variants[variant_name(name)] = (decoder.with_trees(trees), "ppd")
+        methods[variant_name(name)] = (decoder.with_trees(trees), "ppd")
+    # name: (decoder, method, BatcherConfig fields)
+    variants = ({f"{name}@{label}": (*method, settings) for label, settings in args.batchers.items()
+                 for name, method in methods.items()} if args.batchers else
+                {name: (*method, {}) for name, method in methods.items()})
     header = {"model": loaded.info.model_id, "adapter": loaded.adapter, "tree": loaded.tree, "bench": args.bench,
               "max_new_tokens": args.max_new_tokens, "capture": args.capture,
               "batching": args.batching, "dtype": str(decoder.dtype).removeprefix("torch."), **environment(device)}
@@ -127,11 +181,12 @@ def run(args: argparse.Namespace) -> tuple[dict, PartialRun]:
                      else f"prefills {row['prefill_s']:.2f} s")
                   + f" | warm-up {row['warmup_s']:.0f} s ({len(row['captures'])} graphs, the slowest "
                   f"{max((c['seconds'] for c in row['captures']), default=0):.0f} s)", file=sys.stderr)
-        baseline = next(r["tokens_per_s"] for r in rows if r["variant"] == "baseline")
+        speeds = {r["variant"]: r["tokens_per_s"] for r in rows}
         for row in rows:
-            row["identical_to_baseline"] = sum(a == b for a, b in zip(outputs[row["variant"]], outputs["baseline"])
+            baseline = baseline_of(row["variant"])
+            row["identical_to_baseline"] = sum(a == b for a, b in zip(outputs[row["variant"]], outputs[baseline])
                                                ) / count
-            row["speedup"] = row["tokens_per_s"] / baseline
+            row["speedup"] = row["tokens_per_s"] / speeds[baseline]
         partial.add(rows, header)
     rows = [r for batch in args.batch_sizes for r in partial.measured(batch_size=batch)]
     return {**header, "rows": rows}, partial
@@ -171,19 +226,19 @@ def static_rows(variants: dict, prompts: list[list[int]], batch: int,
     # is decoded by every variant before the next, so that the machine's drift, and whatever follows a
     # compilation, fall on all variants alike.
     warmups = {}
-    for name, (dec, method) in variants.items():
+    for name, (dec, method, _) in variants.items():
         before = len(dec.captures)
         seconds = dec.warmup(batch_sizes=[batch], methods=[method], capture=args.capture)
         warmups[name] = (seconds, captured_since(dec, before))
         dec.generate(batches[0], DecodeConfig(method=method, max_new_tokens=8, capture=args.capture))
     configs = {name: DecodeConfig(method=method, max_new_tokens=args.max_new_tokens, capture=args.capture)
-               for name, (_, method) in variants.items()}
+               for name, (_, method, _) in variants.items()}
     outs = {name: [] for name in variants}
     walls = dict.fromkeys(variants, 0.0)
     prefills = dict.fromkeys(variants, 0.0)  # each batch's time to its prefill's read-back
     passes = dict.fromkeys(variants, 0)  # forward passes after the prefill: each batch's longest row's
     for inputs in batches:
-        for name, (dec, _) in variants.items():
+        for name, (dec, _, _) in variants.items():
             start = time.perf_counter()
             out = dec.generate(inputs, configs[name])
             walls[name] += time.perf_counter() - start
@@ -195,49 +250,72 @@ def static_rows(variants: dict, prompts: list[list[int]], batch: int,
                        ms_per_pass=1e3 * (walls[name] - prefills[name]) / max(passes[name], 1),
                        max_steps=max(o.steps for o in outs[name]), passes=passes[name],
                        mean_row_steps=sum(o.steps for o in outs[name]) / len(outs[name]))
-            for name, (dec, method) in variants.items()]
+            for name, (dec, method, _) in variants.items()]
     return {name: [o.token_ids for o in outs[name]] for name in variants}, rows
 
 
 def continuous_rows(variants: dict, prompts: list[list[int]], batch: int,
                     args: argparse.Namespace) -> tuple[dict, list[dict]]:
-    """Each variant's greedy outputs and row, decoding ``prompts`` through a continuous batcher of ``batch``
-    rows (see the module docstring)."""
-    outputs, rows = {}, []
-    for name, (dec, method) in variants.items():
-        config = DecodeConfig(method=method, max_new_tokens=args.max_new_tokens, capture=args.capture)
-        batcher = ContinuousBatcher(dec, BatcherConfig(max_batch=batch, max_queue=len(prompts),
-                                                       capture=args.capture))
-        before = len(dec.captures)
-        warmup = batcher.warmup(methods=(method,))
-        with batcher:
+    """Each variant's greedy outputs (its first round's) and row, decoding ``prompts`` through a continuous
+    batcher of ``batch`` rows, ``args.rounds`` times (see the module docstring)."""
+    batchers, warmups = {}, {}
+    try:
+        # Every batcher is warmed up before any starts: the first to start freezes the heap with every warm-up's
+        # objects in it, so that the collector walks the same heap whichever variant runs.
+        for name, (dec, method, settings) in variants.items():
+            batchers[name] = ContinuousBatcher(dec, BatcherConfig(max_batch=batch, max_queue=len(prompts),
+                                                                  capture=args.capture, **settings))
+            before = len(dec.captures)
+            warmups[name] = (batchers[name].warmup(methods=(method,)), captured_since(dec, before))
+        for name, (_, method, _) in variants.items():
             short = DecodeConfig(method=method, max_new_tokens=8, capture=args.capture)
-            for stream in [batcher.submit(ids, short) for ids in prompts[:batch]]:
+            for stream in [batchers[name].start().submit(ids, short) for ids in prompts[:batch]]:
                 stream.result()
-            steps_before = batcher.batch_steps
-            batcher.admission_steps = AdmissionSteps()  # the timed prompts' admissions only
-            start = time.perf_counter()
-            outs = [stream.result() for stream in [batcher.submit(ids, config) for ids in prompts]]
-            wall = time.perf_counter() - start
-            steps = batcher.batch_steps - steps_before
-        outputs[name] = [o.token_ids for o in outs]
-        rows.append(result_row(batch, name, dec, method, len(prompts), outs, wall, args, warmup_s=warmup,
-                               captures=captured_since(dec, before), ms_per_pass=1e3 * wall / max(steps, 1),
+        runs = {name: [] for name in variants}
+        for _ in range(args.rounds):
+            for name, (_, method, _) in variants.items():
+                runs[name].append(timed_run(batchers[name], prompts, DecodeConfig(
+                    method=method, max_new_tokens=args.max_new_tokens, capture=args.capture)))
+    finally:
+        for batcher in batchers.values():
+            batcher.close()
+    rows = []
+    for name, (dec, method, settings) in variants.items():
+        outs = [o for run in runs[name] for o in run["outs"]]
+        wall, steps = sum(r["wall"] for r in runs[name]), sum(r["steps"] for r in runs[name])
+        admitted = AdmissionSteps(*(sum(getattr(r["admissions"], f) for r in runs[name])
+                                    for f in ("admissions", "waiting", "in_flight")))
+        rows.append(result_row(batch, name, dec, method, len(prompts), outs, wall, args, warmup_s=warmups[name][0],
+                               captures=warmups[name][1], ms_per_pass=1e3 * wall / max(steps, 1),
                                mean_rows=sum(o.steps for o in outs) / max(steps, 1),
-                               admission_steps=batcher.admission_steps.means()))
-    return outputs, rows
+                               admission_steps=admitted.means(), batcher=settings, rounds=args.rounds,
+                               round_tokens_per_s=[sum(o.new_tokens for o in r["outs"]) / r["wall"]
+                                                   for r in runs[name]]))
+    return {name: [o.token_ids for o in runs[name][0]["outs"]] for name in variants}, rows
+
+
+def timed_run(batcher: ContinuousBatcher, prompts: list[list[int]], config: DecodeConfig) -> dict:
+    """One timed round: every prompt submitted to a started ``batcher`` at once; its answers, wall time, batch
+    steps and admissions."""
+    steps_before = batcher.batch_steps
+    batcher.admission_steps = AdmissionSteps()  # this round's admissions only
+    start = time.perf_counter()
+    outs = [stream.result() for stream in [batcher.submit(ids, config) for ids in prompts]]
+    return {"outs": outs, "wall": time.perf_counter() - start, "steps": batcher.batch_steps - steps_before,
+            "admissions": batcher.admission_steps}
 
 
 def table(result: dict) -> str:
     variants = list(dict.fromkeys(r["variant"] for r in result["rows"]))
+    speedups = [v for v in variants if v != baseline_of(v)]
     lines = ["| batch | " + " | ".join(f"{v} tokens/s" for v in variants) + " | "
-             + " | ".join(f"{v} speed-up (rows, accept length)" for v in variants if v != "baseline") + " |",
-             "|---" * (1 + 2 * len(variants) - 1) + "|"]
+             + " | ".join(f"{v} speed-up (rows, accept length)" for v in speedups) + " |",
+             "|---" * (1 + len(variants) + len(speedups)) + "|"]
     for batch in dict.fromkeys(r["batch_size"] for r in result["rows"]):
         here = {r["variant"]: r for r in result["rows"] if r["batch_size"] == batch}
         cells = [f"{here[v]['tokens_per_s']:.0f}" for v in variants]
         cells += [f"{here[v]['speedup']:.2f}x ({here[v]['tree_rows']}, {here[v]['accept_length'] or 0:.2f})"
-                  for v in variants if v != "baseline"]
+                  for v in speedups]
         lines.append(f"| {batch} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -250,7 +328,7 @@ def plot(result: dict, path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for variant in dict.fromkeys(r["variant"] for r in result["rows"]):
-        if variant == "baseline":
+        if variant == baseline_of(variant):
             continue
         here = sorted((r for r in result["rows"] if r["variant"] == variant), key=lambda r: r["batch_size"])
         ax.plot([r["batch_size"] for r in here], [r["speedup"] for r in here], marker="o", label=variant)
@@ -271,6 +349,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.prompts < 1:
         parser.error("--prompts must be at least 1")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    if args.batching != "continuous" and (args.batchers or args.rounds != 1):
+        parser.error("--batchers and --rounds apply to --batching continuous")
+    if args.batchers:
+        try:
+            args.batchers = batcher_settings(args.batchers)
+        except ValueError as error:
+            parser.error(str(error))
     try:
         with torch.no_grad():
             result, partial = run(args)

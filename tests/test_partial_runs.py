@@ -283,3 +283,37 @@ def test_continuous_batch_speed_keeps_the_batcher_full_and_decodes_what_static_b
     capsys.readouterr()
     assert batch_speed.main([*argv[:1], "1", *argv[1:], "--batching", "continuous"]) == 2
     assert "cut off with batching 'static', but this run asks for 'continuous'" in capsys.readouterr().err
+
+
+def test_continuous_batch_speed_compares_batcher_settings_in_rounds(tmp_path, capsys):
+    """``--batchers``: every variant runs under each named setting (``<variant>@NAME``), its speed-up over the
+    baseline under the same settings; ``--rounds`` sums each variant's rounds, every answer still the baseline's."""
+    output = tmp_path / "settings.json"
+    argv = ["--batch_sizes", "1", "--prompts", "1", "--max_new_tokens", "4", "--bench", "gsm8k", *CPU,
+            "--batching", "continuous", "--rounds", "2", "--output", str(output),
+            "--batchers", "default", "levers=admissions:before_step,backlog:waited,freeze_heap:false"]
+    assert batch_speed.main(argv) == 0
+    done = json.loads(output.read_text())
+    rows = {r["variant"]: r for r in done["rows"]}
+    assert list(rows) == ["baseline@default", "ppd@default", "baseline@levers", "ppd@levers"]
+    assert rows["ppd@levers"]["batcher"] == {"admissions": "before_step", "backlog": "waited", "freeze_heap": False}
+    assert rows["ppd@default"]["batcher"] == {}
+    for name, row in rows.items():
+        baseline = rows[name.replace("ppd@", "baseline@")]
+        assert row["speedup"] == pytest.approx(row["tokens_per_s"] / baseline["tokens_per_s"])
+        assert row["rounds"] == 2 and len(row["round_tokens_per_s"]) == 2 and row["prompts"] == 4
+        assert row["new_tokens"] == 2 * 4 * 4 and row["identical_to_baseline"] == 1.0
+    table = capsys.readouterr().out
+    assert "ppd@levers speed-up" in table and "baseline@levers speed-up" not in table
+
+    for bad, message in ((["--batchers", "x=admissions:soon"], "admissions must be one of after_step, before_step"),
+                         (["--batchers", "x=max_batch:4"], "is not FIELD:VALUE with FIELD one of prefill_beside"),
+                         (["--batchers", "x=freeze_heap:maybe"], "freeze_heap takes true or false"),
+                         (["--batchers", "x"], "expected NAME=FIELD:VALUE"),
+                         (["--rounds", "0"], "--rounds must be at least 1")):
+        with pytest.raises(SystemExit):
+            batch_speed.main([*argv[:argv.index("--rounds")], *bad])
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        batch_speed.main(["--batch_sizes", "1", *CPU, "--batchers", "default"])
+    assert "apply to --batching continuous" in capsys.readouterr().err

@@ -53,6 +53,14 @@ before_step() { PPD_ADMISSIONS=before_step continuous_160 _before_step; }
 high_priority() { PPD_PREFILL_PRIORITY=high continuous_160 _high_priority; }
 backlog_waited() { PPD_BACKLOG=waited continuous_160 _backlog_waited; }
 levers_all() { ( export ${TEST_LEVERS:?}; continuous_160 _levers_all ); }  # the three levers together
+# Every lever's A/B in one process (eval.batch_speed --batchers, since the thirty-seventh session): each graph compiles
+# once, every setting decodes the 160 prompts in turn, twice over, at batch 16 and then 8.
+levers_ab() {
+  timeout 900 $C --batch_sizes 16 8 --prompts 160 --rounds 2 --batchers default \
+    levers=admissions:before_step,backlog:waited,prefill_priority:high prefill_priority=prefill_priority:high \
+    backlog=backlog:waited admissions=admissions:before_step --output $R/levers_ab.json > $R/logs/levers_ab.log 2>&1
+  rows $? $R/logs/levers_ab.log 5; grep -E "^batch" $R/logs/levers_ab.log | cut -c1-250
+}
 b32_trees() {
   timeout 600 $C --batch_sizes 32 16 8 --prompts 160 --trees results/lookup/trees/tree_8_lookup8.json \
     results/lookup/trees/tree_16_lookup8.json --output $R/continuous_b32_trees.json > $R/logs/continuous_b32_trees.log 2>&1
