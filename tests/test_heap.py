@@ -62,6 +62,23 @@ def test_a_slow_collection_is_logged_and_counted(caplog):
     assert watch.slow == seen, "a stopped watch counts nothing"
 
 
+def test_watches_of_one_process_each_count_a_collection_and_log_it_once(caplog):
+    first, second = CollectionWatch(slow_ms=-1.0).start(), CollectionWatch(slow_ms=-1.0).start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="ppd.serving.heap"):
+            gc.collect()
+        logged = slow_collections_in(caplog.text)["count"]
+        assert logged >= 1 and first.slow == second.slow == logged
+        first.stop()  # the watch left logs now
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="ppd.serving.heap"):
+            gc.collect()
+        assert slow_collections_in(caplog.text)["count"] == second.slow - logged >= 1
+    finally:
+        first.stop()
+        second.stop()
+
+
 def test_a_running_batcher_serves_from_a_frozen_heap_and_thaws_it_when_closed(unfrozen):
     model = tiny_model(seed=3)
     decoder = Decoder(model, random_prompt_tokens(model, 3, 1, seed=3), random_tree_set(seed=7, size=12))

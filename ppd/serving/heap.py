@@ -69,7 +69,9 @@ def thaw_heap() -> None:
 
 class CollectionWatch:
     """While started, logs a warning for each garbage collection longer than ``slow_ms`` and counts them
-    (``slow``, ``longest_ms``; :meth:`summary` gives them as :func:`slow_collections_in` reads them from a log)."""
+    (``slow``, ``longest_ms``; :meth:`summary` gives them as :func:`slow_collections_in` reads them from a log).
+    Where several watch one process (a benchmark's batchers, one each), each counts for itself and the one
+    started first logs, so that a collection is logged once."""
 
     def __init__(self, slow_ms: float = SLOW_COLLECTION_MS):
         self.slow_ms = slow_ms
@@ -90,7 +92,8 @@ class CollectionWatch:
         self.longest_ms = max(self.longest_ms, ms)
         if ms > self.slow_ms:
             self.slow += 1
-            logger.warning(SLOW_COLLECTION_MESSAGE, info.get("generation", -1), ms, info.get("collected", 0))
+            if self is next(c for c in gc.callbacks if isinstance(c, CollectionWatch)):
+                logger.warning(SLOW_COLLECTION_MESSAGE, info.get("generation", -1), ms, info.get("collected", 0))
 
     def summary(self) -> dict:
         """How many collections were slow and the longest collection in milliseconds."""
