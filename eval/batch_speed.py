@@ -113,6 +113,10 @@ def batcher_settings(specs: list[str]) -> dict[str, dict]:
                 if value.lower() not in ("true", "false", "1", "0"):
                     raise ValueError(f"--batchers {spec!r}: {field} takes true or false, got {value!r}")
                 value = value.lower() in ("true", "1")
+            elif types[field] in (int, "int"):
+                if not value.isdigit():
+                    raise ValueError(f"--batchers {spec!r}: {field} takes a whole number, got {value!r}")
+                value = int(value)
             settings[field] = value
         BatcherConfig(**settings)  # its own checks
         found[name] = settings

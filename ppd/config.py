@@ -31,6 +31,17 @@ def env_choice(name: str, choices: Sequence[str], default: str) -> str:
     return found
 
 
+def env_count(name: str, default: int) -> int:
+    """Environment switch ``name`` as a whole number of at least 1 (``default`` where unset), refused with an error
+    that names the variable otherwise."""
+    found = os.environ.get(name)
+    if found is None:
+        return default
+    if not found.strip().isdigit() or int(found) < 1:
+        raise ValueError(f"${name} must be a whole number of at least 1, got {found!r}")
+    return int(found)
+
+
 class AttentionType(str, enum.Enum):
     """How the copies of the prompt tokens attend to each other (REFERENCE section 1).
 

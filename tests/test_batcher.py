@@ -87,8 +87,8 @@ def test_requests_prefilled_in_the_staging_row_decode_what_they_decode_alone():
         alone = exact.generate(ids, config)
         assert (result.token_ids, result.finish_reason) == (alone.token_ids, alone.finish_reason)
     lanes = list(batcher._lanes.values())
-    assert len(lanes) == 2 and all(lane.staging is not None for lane in lanes)
-    assert {key[0] for key in graphs._graphs} == {id(lane.staging) for lane in lanes}
+    assert len(lanes) == 2 and all(len(lane.staging) == 1 for lane in lanes)
+    assert {key[0] for key in graphs._graphs} == {id(lane.staging[0]) for lane in lanes}
     assert {key[1:3] for key in graphs._graphs} == {(1, 64), (1, 128)}
 
 
@@ -108,7 +108,7 @@ def test_requests_join_through_the_staging_row_while_the_batch_runs_ahead(monkey
     read_step = batching._Lane._read_step
 
     def recorded(lane):
-        pending_at_read.append(lane.flight is not None)
+        pending_at_read.append(bool(lane.flights))
         read_step(lane)
 
     monkeypatch.setattr(batching._Lane, "_read_step", recorded)
@@ -186,6 +186,48 @@ def test_a_backlog_waited_for_joins_while_fewer_rows_run_than_requests_join(monk
     monkeypatch.setenv("PPD_BACKLOG", "sometimes")
     with pytest.raises(ValueError, match="PPD_BACKLOG must be beside or waited"):
         BatcherConfig()
+
+
+def test_more_staging_rows_keep_more_prefills_under_way_for_the_same_tokens(monkeypatch):
+    """With ``staging_rows`` N a lane starts up to N joining requests' prefills at once, one staging row each, and
+    joins them in the order they started. Here a prefill reads as run one poll in three: with three staging rows
+    requests wait fewer steps for a free one and more are under way at once than with one; the tokens are those
+    of one staging row (every request's as alone), and every staging row is free at the end."""
+    from ppd.downloads import Download
+    from ppd.serving import batcher as batching
+
+    polls = iter(range(10**6))
+    monkeypatch.setattr(Download, "ready", lambda self: next(polls) % 3 == 2)
+    launch, most = batching._Lane._launch, []
+
+    def counted(lane, pending, slot):
+        assert slot in range(len(lane.staging)) and all(f.slot != slot for f in lane.flights)
+        most.append(len(lane.flights) + 1)
+        return launch(lane, pending, slot)
+
+    monkeypatch.setattr(batching._Lane, "_launch", counted)
+    reqs = requests(8, 12)
+    answers, waiting, under_way = {}, {}, {}
+    for rows in (1, 3):
+        most.clear()
+        answers[rows], batcher = through_a_staging_row(monkeypatch, "PPD_STAGING_ROWS", str(rows), reqs,
+                                                       DecodeConfig(), max_batch=4)
+        lane, = batcher._lanes.values()
+        assert batcher.config.staging_rows == rows and len(lane.staging) == rows
+        assert sorted(lane._free_staging) == list(range(rows)) and not lane.flights
+        stats = batcher.admission_steps
+        assert stats.admissions == len(reqs)
+        waiting[rows], under_way[rows] = stats.waiting / stats.admissions, max(most)
+    assert answers[3] == answers[1] == [batcher.decoder.generate(ids, DecodeConfig(max_new_tokens=n)).token_ids
+                                        for ids, n in reqs]
+    assert under_way[1] == 1 and under_way[3] == 3
+    assert waiting[3] < waiting[1]
+    monkeypatch.setenv("PPD_STAGING_ROWS", "0")
+    with pytest.raises(ValueError, match="PPD_STAGING_ROWS must be a whole number of at least 1, got '0'"):
+        BatcherConfig()
+    monkeypatch.delenv("PPD_STAGING_ROWS")
+    with pytest.raises(ValueError, match="staging_rows must be >= 1"):
+        BatcherConfig(staging_rows=0)
 
 
 def test_the_side_streams_priority_comes_from_the_environment_and_a_wrong_one_is_refused(monkeypatch):

@@ -291,12 +291,13 @@ def test_continuous_batch_speed_compares_batcher_settings_in_rounds(tmp_path, ca
     output = tmp_path / "settings.json"
     argv = ["--batch_sizes", "1", "--prompts", "1", "--max_new_tokens", "4", "--bench", "gsm8k", *CPU,
             "--batching", "continuous", "--rounds", "2", "--output", str(output),
-            "--batchers", "default", "levers=admissions:before_step,backlog:waited,freeze_heap:false"]
+            "--batchers", "default", "levers=admissions:before_step,backlog:waited,freeze_heap:false,staging_rows:2"]
     assert batch_speed.main(argv) == 0
     done = json.loads(output.read_text())
     rows = {r["variant"]: r for r in done["rows"]}
     assert list(rows) == ["baseline@default", "ppd@default", "baseline@levers", "ppd@levers"]
-    assert rows["ppd@levers"]["batcher"] == {"admissions": "before_step", "backlog": "waited", "freeze_heap": False}
+    assert rows["ppd@levers"]["batcher"] == {"admissions": "before_step", "backlog": "waited", "freeze_heap": False,
+                                             "staging_rows": 2}
     assert rows["ppd@default"]["batcher"] == {}
     for name, row in rows.items():
         baseline = rows[name.replace("ppd@", "baseline@")]
@@ -309,6 +310,8 @@ def test_continuous_batch_speed_compares_batcher_settings_in_rounds(tmp_path, ca
     for bad, message in ((["--batchers", "x=admissions:soon"], "admissions must be one of after_step, before_step"),
                          (["--batchers", "x=max_batch:4"], "is not FIELD:VALUE with FIELD one of prefill_beside"),
                          (["--batchers", "x=freeze_heap:maybe"], "freeze_heap takes true or false"),
+                         (["--batchers", "x=staging_rows:two"], "staging_rows takes a whole number"),
+                         (["--batchers", "x=staging_rows:0"], "staging_rows must be >= 1"),
                          (["--batchers", "x"], "expected NAME=FIELD:VALUE"),
                          (["--rounds", "0"], "--rounds must be at least 1")):
         with pytest.raises(SystemExit):

@@ -9,7 +9,8 @@ of the state's first rows, so graphs captured for a bucket stay valid). Between 
 2. admits waiting requests into free rows, each with its own prefill into its row of the cache. Where
    prefills replay CUDA graphs (a GPU), a joining request is prefilled alone in a one-row staging state on a
    side stream while the running rows go on stepping, and its row is copied into the batch once that prefill
-   has run: the running rows wait for the copy only, not for the prefill (``_Lane.advance_admissions``);
+   has run: the running rows wait for the copy only, not for the prefill (``_Lane.advance_admissions``;
+   ``BatcherConfig.staging_rows`` such states let that many prefills be under way at once);
 3. runs one step for the bucket: the PPD tree step with the tree the decoder's batch policy names for
    that bucket, or the one-row step where the policy says speculation does not pay. On a GPU the thread
    runs one step ahead, as ``decoding.loop.decode`` does: it queues the next step before it reads the last
@@ -36,7 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import compile_cache
-from ..config import CaptureMode, DecodeConfig, DecodeMethod, env_choice
+from ..config import CaptureMode, DecodeConfig, DecodeMethod, env_choice, env_count
 from ..decoding.graphs import captures_graphs, compiles_prefill, resolve_mode
 from ..decoding.loop import batch_bucket, prefill, queue_step, reset_rows, runs_ahead, steps_to_prepare, whole_width
 from ..decoding.prefill_graphs import warm_prompt_lengths
@@ -57,6 +58,7 @@ BACKLOG_ENV = "PPD_BACKLOG"
 BACKLOGS = ("beside", "waited")  # BatcherConfig.backlog: the first is the default
 PREFILL_PRIORITY_ENV = "PPD_PREFILL_PRIORITY"
 PREFILL_PRIORITIES = ("normal", "high")  # BatcherConfig.prefill_priority: the first is the default
+STAGING_ROWS_ENV = "PPD_STAGING_ROWS"
 
 
 @dataclass
@@ -89,8 +91,16 @@ class BatcherConfig:
     prefill_priority: str = field(default_factory=lambda: env_choice(PREFILL_PRIORITY_ENV, PREFILL_PRIORITIES,
                                                                      PREFILL_PRIORITIES[0]))
 
+    # Staging rows a lane prefills joining requests in, each a one-row state with its own graphs: with more than
+    # one, that many prefills may be under way at once (queued one after another on the side stream), so that a
+    # lane whose rows finish faster than one prefill at a time refills them (h100/v33: at batch 32 each request
+    # waited 62-69 steps for the one row under small trees). Default from $PPD_STAGING_ROWS, else 1.
+    staging_rows: int = field(default_factory=lambda: env_count(STAGING_ROWS_ENV, 1))
+
     def __post_init__(self) -> None:
         self.capture = CaptureMode(self.capture)
+        if self.staging_rows < 1:
+            raise ValueError(f"staging_rows must be >= 1, got {self.staging_rows}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.max_queue < 0:
@@ -280,7 +290,7 @@ class ContinuousBatcher:
                     row.stream._finish("cancelled", error=closed)
                 lane.rows.clear()
                 lane.joining.clear()
-                lane.flight = None
+                lane.flights.clear()
 
     def _take_joining(self) -> dict[DecodeMethod, list["_Pending"]]:
         """Waiting requests that fit their lane's free rows, in arrival order (called under the lock);
@@ -327,11 +337,12 @@ class _Pending:
 
 @dataclass
 class _Flight:
-    """A joining request whose prefill in the staging row is queued: its report's download says when it has run."""
+    """A joining request whose prefill in a staging row is queued: its report's download says when it has run."""
 
     pending: _Pending
     report: Download
     launched_at: int  # its lane's steps queued when its prefill was
+    slot: int = 0  # its staging row
 
 
 @dataclass
@@ -351,10 +362,10 @@ class _Lane:
     rows: list[_Row] = field(default_factory=list)
     # Steps queued whose reports are not read yet, each with the rows it ran (in their order then).
     queued: collections.deque = field(default_factory=collections.deque)
-    # With a staging row: requests taken from the queue for this lane and not prefilled yet, and the one whose
-    # prefill in the staging row is under way (its row not copied into the batch yet).
+    # With staging rows: requests taken from the queue for this lane and not prefilled yet, and those whose prefill
+    # in a staging row is under way (their rows not copied into the batch yet), in the order they were launched.
     joining: collections.deque = field(default_factory=collections.deque)
-    flight: "_Flight | None" = None
+    flights: collections.deque = field(default_factory=collections.deque)
     steps: int = 0  # steps queued over its rows so far
 
     def __post_init__(self) -> None:
@@ -364,29 +375,30 @@ class _Lane:
         reset_rows(decoder, self.state, [], DecodeConfig())  # every row starts as finished padding
         self._views: dict[int, DecodeState] = {}
         # Where prefills replay CUDA graphs (``decoding.prefill_graphs``), a joining request is prefilled alone
-        # into this one-row state, whose graphs serve every admission, and its row copied into the batch: a
-        # graph made for the batch's own rows would serve only the rows it was captured at.
+        # into a one-row staging state, whose graphs serve every admission through it, and its row copied into
+        # the batch: a graph made for the batch's own rows would serve only the rows it was captured at.
         graphs = self.batcher._runner.prefill_graphs
-        self.staging: DecodeState | None = (decoder._new_state(1) if graphs is not None
-                                            and not self.batcher._compiled_prefill else None)
-        # On a GPU the staging row's prefills run on a stream of their own, beside the running rows' steps; the
-        # event says when the last row copied out of the staging state has been copied (it may be written again).
         config = self.batcher.config
+        self.staging: list[DecodeState] | None = (
+            [decoder._new_state(1) for _ in range(config.staging_rows)]
+            if graphs is not None and not self.batcher._compiled_prefill else None)
+        self._free_staging = list(range(config.staging_rows))[::-1]  # staging rows no prefill holds (last first)
+        # On a GPU the staging rows' prefills run on a stream of their own, beside the running rows' steps; a
+        # staging row's event says when the last row copied out of it has been copied (it may be written again).
         priority = -1 if config.prefill_priority == "high" else 0  # CUDA: the lower number runs first
         self.side: torch.cuda.Stream | None = (torch.cuda.Stream(decoder.device, priority=priority)
                                                if self.staging is not None and decoder.device.type == "cuda"
                                                and config.prefill_beside else None)
-        self._staging_free: torch.cuda.Event | None = None
+        self._staging_free: list[torch.cuda.Event | None] = [None] * config.staging_rows
 
     @property
     def occupied(self) -> int:
         """The rows its running and joining requests take (or will); safe to read from another thread."""
-        return len(self.rows) + len(self.joining) + (self.flight is not None)
+        return len(self.rows) + len(self.joining) + len(self.flights)
 
     def admitting_streams(self) -> list[Stream]:
         """The streams of the requests joining this lane (not in a row yet)."""
-        flight = self.flight
-        return [p.stream for p in list(self.joining)] + ([flight.pending.stream] if flight is not None else [])
+        return [p.stream for p in list(self.joining)] + [f.pending.stream for f in list(self.flights)]
 
     @property
     def advance(self) -> int:
@@ -418,29 +430,30 @@ class _Lane:
                         batcher._compiled_prefill)
             for row in range(max(sizes)):
                 self.state.vacate(row)
-            if self.staging is not None:  # its first prefill allocates its cache (eagerly)
-                self.prefill_alone([0, 0], DecodeConfig(max_new_tokens=1, stop_on_eos=False))
+            for staging in self.staging or []:  # its first prefill allocates its cache (eagerly)
+                self.prefill_alone(staging, [0, 0], DecodeConfig(max_new_tokens=1, stop_on_eos=False))
 
-    def prefill_alone(self, ids: list[int], config: DecodeConfig) -> None:
-        """Reset the staging row for one request and prefill it there (through a graph where one is captured or
+    def prefill_alone(self, staging: DecodeState, ids: list[int], config: DecodeConfig) -> None:
+        """Reset a staging row for one request and prefill it there (through a graph where one is captured or
         fits): the row then holds everything the request's row of the batch needs."""
         decoder = self.batcher.decoder
-        reset_rows(decoder, self.staging, [len(ids)], config)
-        prefill(decoder, [ids], self.staging, self.use_ppd, StepKind.of(False, [config]),
+        reset_rows(decoder, staging, [len(ids)], config)
+        prefill(decoder, [ids], staging, self.use_ppd, StepKind.of(False, [config]),
                 graphs=self.batcher._runner.prefill_graphs)
 
     def warm_prefills(self) -> None:
-        """Capture the staging row's prefill graph at every width bucket (no request waits on a capture)."""
+        """Capture each staging row's prefill graph at every width bucket (no request waits on a capture)."""
         decoder = self.batcher.decoder
         rows = decoder.prompt_tokens.config.num_rows if self.use_ppd else 0
         with torch.no_grad():
-            for length in warm_prompt_lengths(rows, 1, self.staging.capacity, decoder.capacity):
-                self.prefill_alone([0] * length, DecodeConfig(max_new_tokens=1, stop_on_eos=False))
+            for staging in self.staging:
+                for length in warm_prompt_lengths(rows, 1, staging.capacity, decoder.capacity):
+                    self.prefill_alone(staging, [0] * length, DecodeConfig(max_new_tokens=1, stop_on_eos=False))
 
     def admit(self, joining: list[_Pending]) -> None:
-        """Take the joining requests into the rows after the running ones. Without a staging row they are
-        prefilled there together, now; with one (prefills replayed from graphs) they join one by one through it
-        (:meth:`advance_admissions`)."""
+        """Take the joining requests into the rows after the running ones. Without staging rows they are
+        prefilled there together, now; with them (prefills replayed from graphs) they join one by one through
+        them (:meth:`advance_admissions`)."""
         if self.staging is not None:
             for pending in joining:
                 pending.taken_at = self.steps
@@ -467,49 +480,49 @@ class _Lane:
         self._remove_finished()
 
     def advance_admissions(self) -> None:
-        """With a staging row: copy the request whose prefill there has run into the batch, and start the next
-        joining request's prefill. While rows run (on a GPU), the prefill runs on the side stream and this returns
-        at once, to be called again after the next step; with no row running (or, with ``BatcherConfig.backlog``
-        ``waited``, fewer rows running than requests joining), each admission is waited for."""
+        """With staging rows: start the prefills of joining requests in the staging rows free, and copy each
+        request whose prefill has run into the batch, in the order they started. While rows run (on a GPU), the
+        prefills run on the side stream and this returns at once, to be called again after the next step; with no
+        row running (or, with ``BatcherConfig.backlog`` ``waited``, fewer rows running than requests joining), each
+        admission is waited for."""
         if self.staging is None:
             return
         waits_for_backlog = self.batcher.config.backlog == "waited"
         while True:
-            if self.flight is not None:
-                backlog = len(self.joining) + 1  # the request in flight and those after it
-                waited = not self.rows or (waits_for_backlog and len(self.rows) < backlog)
-                if not waited and not self.flight.report.ready():
-                    return
-                self._join(self.flight)
-            if not self.joining:
+            while self.joining and self._free_staging:
+                pending = self.joining.popleft()
+                if pending.stream.cancelled:
+                    pending.stream._push([], 0, "cancelled", counts_as_step=False)
+                    continue
+                self.flights.append(self._launch(pending, self._free_staging.pop()))
+            if not self.flights:
                 return
-            pending = self.joining.popleft()
-            if pending.stream.cancelled:
-                pending.stream._push([], 0, "cancelled", counts_as_step=False)
-                continue
-            self.flight = self._launch(pending)
+            backlog = len(self.joining) + len(self.flights)  # the requests in flight and those after them
+            waited = not self.rows or (waits_for_backlog and len(self.rows) < backlog)
+            if not waited and not self.flights[0].report.ready():
+                return
+            self._join(self.flights.popleft())
 
-    def _launch(self, pending: _Pending) -> "_Flight":
-        """Queue the request's prefill in the staging row (on the side stream, once the last row copied out of it
-        has been) and the download of its report."""
+    def _launch(self, pending: _Pending, slot: int) -> "_Flight":
+        """Queue the request's prefill in staging row ``slot`` (on the side stream, once the last row copied out of
+        it has been) and the download of its report."""
         pending.stream._started_now()
         with torch.no_grad():
             if not self.state.kv.allocated:
                 self.allocate()
             if self.side is not None:  # after the warm-up's (or allocation's) prefills, then after the last copy
-                if self._staging_free is None:
+                if self._staging_free[slot] is None:
                     self.side.wait_stream(torch.cuda.current_stream(self.side.device))
                 else:
-                    self.side.wait_event(self._staging_free)
+                    self.side.wait_event(self._staging_free[slot])
             with torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext():
-                self.prefill_alone(pending.ids, pending.config)
-                return _Flight(pending, Download(self.staging.report[:1]), launched_at=self.steps)
+                self.prefill_alone(self.staging[slot], pending.ids, pending.config)
+                return _Flight(pending, Download(self.staging[slot].report[:1]), launched_at=self.steps, slot=slot)
 
     def _join(self, flight: "_Flight") -> None:
         """Copy the staging row of a prefill that has run into the row after the running ones (queued after the
-        steps before it, so it overwrites whatever they left in that padding row), and give the request its first
-        token."""
-        self.flight = None
+        steps before it, so it overwrites whatever they left in that padding row), free the staging row, and give
+        the request its first token."""
         pending, length = flight.pending, len(flight.pending.ids)
         stats = self.batcher.admission_steps
         stats.admissions += 1
@@ -518,10 +531,12 @@ class _Lane:
         with torch.no_grad():
             flight.report.order_after()
             self.state.kv.reserve(length)
-            self.state.copy_row_from(self.staging, 0, len(self.rows), length)  # every per-row buffer, the cache
+            # every per-row buffer, the cache
+            self.state.copy_row_from(self.staging[flight.slot], 0, len(self.rows), length)
             if self.side is not None:
-                self._staging_free = torch.cuda.Event()
-                self._staging_free.record(torch.cuda.current_stream(self.side.device))
+                self._staging_free[flight.slot] = torch.cuda.Event()
+                self._staging_free[flight.slot].record(torch.cuda.current_stream(self.side.device))
+        self._free_staging.append(flight.slot)
         line = flight.report.wait()[0].tolist()
         self.batcher.steps_run += 1
         row = _Row(pending.stream, pending.config)
