@@ -25,16 +25,8 @@
 # H200 timings of an older, slower tree step, and the 40-row tree at 16 and 8. ../v33/job.sh runs this script with
 # its own $JOB_VERSION (the results' folder), $JOB_ORDER and $TEST_LEVERS.
 set -u
-source /root/tree/results/deep_gpu/lease/job_env.sh "${JOB_VERSION:-v32}"
-export PPD_COMPILE_CACHE=/root/keep/compiled
-mkdir -p "$PPD_COMPILE_CACHE"
-kept=/root/tree/.gpu_keep/compiled_v31_h100.tgz
-E="--dtype bfloat16 --capture compiled_graph"
-C="python -m eval.batch_speed $E --batching continuous --bench mt_bench --max_new_tokens 256 --max_seq_len 1024"
-L="python -m eval.load --launch --model smollm2-135m-instruct --bench mt_bench --max_tokens 256"
-S="--server_args=$E --max_seq_len 1024 --max_batch 64"
+source /root/tree/results/deep_gpu/lease/serving_job.sh "${JOB_VERSION:-v32}"
 E16="--server_args=$E --max_seq_len 1024 --max_batch 16"
-rows() { echo "rc $1"; grep -E "^\||slow garbage" "$2" | head -n "${3:-6}" | cut -c1-300; }
 load() {
   timeout 900 $L --methods ppd baseline --clients 64 16 4 1 "$S" --output $R/load.json --plot $R/load.png \
     > $R/logs/load.log 2>&1; rows $? $R/logs/load.log 11
@@ -81,7 +73,7 @@ load16_after_step() { PPD_ADMISSIONS=after_step load16 after_step; }
 load16_levers_all() { ( export ${TEST_LEVERS:?}; load16 levers_all ); }
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  if [ -f "$kept" ]; then t kept; tar xzf "$kept" -C /root/keep && du -sm "$PPD_COMPILE_CACHE"; fi
+  unpack_kept
   for part in ${JOB_ORDER:-load continuous continuous_160 before_step high_priority b32_trees tests load16_before_step \
       load16_after_step}; do
     t "$part"; "$part"
