@@ -519,10 +519,10 @@ def test_a_joining_requests_prefill_never_waits_for_the_device_on_the_gpu(monkey
     launch = batching._Lane._launch
     launches = []
 
-    def checked(lane, pending):
+    def checked(lane, pending, slot):
         torch.cuda.set_sync_debug_mode("error")
         try:
-            return launch(lane, pending)
+            return launch(lane, pending, slot)
         finally:
             torch.cuda.set_sync_debug_mode("default")
             launches.append(bool(lane.rows))
