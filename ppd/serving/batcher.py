@@ -382,7 +382,6 @@ class _Lane:
         self.staging: list[DecodeState] | None = (
             [decoder._new_state(1) for _ in range(config.staging_rows)]
             if graphs is not None and not self.batcher._compiled_prefill else None)
-        self._free_staging = list(range(config.staging_rows))[::-1]  # staging rows no prefill holds (last first)
         # On a GPU the staging rows' prefills run on a stream of their own, beside the running rows' steps; a
         # staging row's event says when the last row copied out of it has been copied (it may be written again).
         priority = -1 if config.prefill_priority == "high" else 0  # CUDA: the lower number runs first
@@ -489,12 +488,12 @@ class _Lane:
             return
         waits_for_backlog = self.batcher.config.backlog == "waited"
         while True:
-            while self.joining and self._free_staging:
+            while self.joining and (slot := self.free_staging_row()) is not None:
                 pending = self.joining.popleft()
                 if pending.stream.cancelled:
                     pending.stream._push([], 0, "cancelled", counts_as_step=False)
                     continue
-                self.flights.append(self._launch(pending, self._free_staging.pop()))
+                self.flights.append(self._launch(pending, slot))
             if not self.flights:
                 return
             backlog = len(self.joining) + len(self.flights)  # the requests in flight and those after them
@@ -502,6 +501,11 @@ class _Lane:
             if not waited and not self.flights[0].report.ready():
                 return
             self._join(self.flights.popleft())
+
+    def free_staging_row(self) -> int | None:
+        """The first staging row no prefill under way holds, or None."""
+        held = {flight.slot for flight in self.flights}
+        return next((slot for slot in range(len(self.staging)) if slot not in held), None)
 
     def _launch(self, pending: _Pending, slot: int) -> "_Flight":
         """Queue the request's prefill in staging row ``slot`` (on the side stream, once the last row copied out of
@@ -536,7 +540,6 @@ class _Lane:
             if self.side is not None:
                 self._staging_free[flight.slot] = torch.cuda.Event()
                 self._staging_free[flight.slot].record(torch.cuda.current_stream(self.side.device))
-        self._free_staging.append(flight.slot)
         line = flight.report.wait()[0].tolist()
         self.batcher.steps_run += 1
         row = _Row(pending.stream, pending.config)
