@@ -275,6 +275,8 @@ def continuous_rows(variants: dict, prompts: list[list[int]], batch: int,
             short = DecodeConfig(method=method, max_new_tokens=8, capture=args.capture)
             for stream in [batchers[name].start().submit(ids, short) for ids in prompts[:batch]]:
                 stream.result()
+            batchers[name].admission_steps = AdmissionSteps()  # the timed prompts' admissions only
+        steps_before = {name: batcher.batch_steps for name, batcher in batchers.items()}
         runs = {name: [] for name in variants}
         for _ in range(args.rounds):
             for name, (_, method, _) in variants.items():
@@ -286,27 +288,21 @@ def continuous_rows(variants: dict, prompts: list[list[int]], batch: int,
     rows = []
     for name, (dec, method, settings) in variants.items():
         outs = [o for run in runs[name] for o in run["outs"]]
-        wall, steps = sum(r["wall"] for r in runs[name]), sum(r["steps"] for r in runs[name])
-        admitted = AdmissionSteps(*(sum(getattr(r["admissions"], f) for r in runs[name])
-                                    for f in ("admissions", "waiting", "in_flight")))
+        wall, steps = sum(r["wall"] for r in runs[name]), batchers[name].batch_steps - steps_before[name]
         rows.append(result_row(batch, name, dec, method, len(prompts), outs, wall, args, warmup_s=warmups[name][0],
                                captures=warmups[name][1], ms_per_pass=1e3 * wall / max(steps, 1),
                                mean_rows=sum(o.steps for o in outs) / max(steps, 1),
-                               admission_steps=admitted.means(), batcher=settings, rounds=args.rounds,
-                               round_tokens_per_s=[sum(o.new_tokens for o in r["outs"]) / r["wall"]
-                                                   for r in runs[name]]))
+                               admission_steps=batchers[name].admission_steps.means(), batcher=settings,
+                               rounds=args.rounds, round_tokens_per_s=[sum(o.new_tokens for o in r["outs"]) / r["wall"]
+                                                                       for r in runs[name]]))
     return {name: [o.token_ids for o in runs[name][0]["outs"]] for name in variants}, rows
 
 
 def timed_run(batcher: ContinuousBatcher, prompts: list[list[int]], config: DecodeConfig) -> dict:
-    """One timed round: every prompt submitted to a started ``batcher`` at once; its answers, wall time, batch
-    steps and admissions."""
-    steps_before = batcher.batch_steps
-    batcher.admission_steps = AdmissionSteps()  # this round's admissions only
+    """One timed round: every prompt submitted to a started ``batcher`` at once; its answers and wall time."""
     start = time.perf_counter()
     outs = [stream.result() for stream in [batcher.submit(ids, config) for ids in prompts]]
-    return {"outs": outs, "wall": time.perf_counter() - start, "steps": batcher.batch_steps - steps_before,
-            "admissions": batcher.admission_steps}
+    return {"outs": outs, "wall": time.perf_counter() - start}
 
 
 def table(result: dict) -> str:
