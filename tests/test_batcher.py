@@ -506,14 +506,17 @@ def test_captured_continuous_batch_equals_alone_on_the_gpu(mode):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("beside", [True, False])
-def test_a_joining_requests_prefill_never_waits_for_the_device_on_the_gpu(monkeypatch, beside):
-    """The staging row's prefill is queued on the side stream while the running rows step (or, with
+@pytest.mark.parametrize("beside, staging_rows", [(True, 1), (False, 1), (True, 4), (False, 4)])
+def test_a_joining_requests_prefill_never_waits_for_the_device_on_the_gpu(monkeypatch, beside, staging_rows):
+    """The staging rows' prefills are queued on the side stream while the running rows step (or, with
     ``prefill_beside`` off, on their stream between two steps): reset, uploads, the graph's replay, the first token
     and guesses, the prompt's lookup history, the report's download. Had any of it
     waited for the device (a copy from ordinary host memory, a read back), the batcher's thread would stall the
     running rows for the whole prefill; torch's sync debug mode, set to raise, finds any such wait. Requests joining
-    a running batch (a lookup chain in the trees, so the history is written) still decode what they do alone."""
+    a running batch (a lookup chain in the trees, so the history is written) still decode what they do alone, with
+    one staging row and with four (several prefills under way beside the steps: h100/v34 found a request decoding
+    wrongly there, beside, when the prefill graphs still shared the steps' capture stream, and so their cuBLAS
+    workspace; ``prefill_graphs`` now gives each replaying stream its own)."""
     from ppd.serving import batcher as batching
 
     launch = batching._Lane._launch
@@ -532,9 +535,18 @@ def test_a_joining_requests_prefill_never_waits_for_the_device_on_the_gpu(monkey
     chained = replace(random_tree_set(seed=7, size=12), lookup=4)
     decoder = Decoder(model, random_prompt_tokens(model, 3, 1, seed=3), chained, eos_token_ids=[5], max_seq_len=300)
     reqs = requests(7, 10)
-    with ContinuousBatcher(decoder, BatcherConfig(max_batch=4, capture="graph", prefill_beside=beside)) as batcher:
-        assert (batcher._lane(batching.DecodeMethod.PPD).side is not None) == beside
+    config = BatcherConfig(max_batch=4, capture="graph", prefill_beside=beside, staging_rows=staging_rows)
+    with ContinuousBatcher(decoder, config) as batcher:
+        lane = batcher._lane(batching.DecodeMethod.PPD)
+        assert (lane.side is not None) == beside
         batcher.warmup()
+        # The staging graphs are made on the stream that replays them, and captured on a stream of that one's own,
+        # not on torch's default capture stream, which the steps' graphs were captured on.
+        replayers = batcher._runner.prefill_graphs._replayers
+        replaying = lane.side if beside else torch.cuda.current_stream()
+        assert list(replayers) == [replaying.cuda_stream]
+        capture = replayers[replaying.cuda_stream].capture
+        assert capture.cuda_stream != torch.cuda.graph.default_capture_stream.cuda_stream
         streams = [batcher.submit(ids, DecodeConfig(max_new_tokens=n, capture="graph")) for ids, n in reqs]
         results = [s.result(timeout=300) for s in streams]
     for (ids, n), result in zip(reqs, results):

@@ -12,8 +12,15 @@ embeddings are made in the graph from those few numbers (``prefill.prefill_input
 token and prompt rows are its output; what follows (the first token, the guesses) runs as before.
 
 Prefills of more than :data:`MAX_TOKENS` slots (rows x width) run eagerly: their time is the arithmetic's, not
-the launches', and a graph would hold their activations. Graphs share one memory pool of their own, apart from the
-steps' (a prefill's logits are read after its replay, before any step runs).
+the launches', and a graph would hold their activations.
+
+A batcher replays prefills on a stream of its own while the steps' graphs replay on theirs (``serving.batcher``), so
+two graphs may run at once. Graphs run at once must share no memory: neither a memory pool (two replays would write
+each other's activations) nor a cuBLAS workspace, which torch before 2.12 keeps per handle and stream, and so per
+capture stream, and ``torch.cuda.graph`` captures every graph on one default stream (pytorch/pytorch#193402, fixed
+by #193832). So the graphs made while a stream is current, the one that will replay them, are warmed up and captured
+on a capture stream of that stream's own, into a pool of its own: graphs of one stream run one after another, and
+a prefill's logits are read after its replay, before the next.
 
 Without ``capture`` (a CPU, tests) the same padded inputs go through the same function eagerly, so the padding and
 the buffers are tested where no graph can be captured.
@@ -75,6 +82,16 @@ class _Graph:
     inputs: dict[str, torch.Tensor]  # the buffers the graph reads
     table: torch.Tensor | None  # the prompt-token table it reads
     output: torch.Tensor | None  # [rows, 1 + N * V, vocab]: the logits it writes
+    state: object = None  # the state whose cache it writes, kept alive so that its id (the key) is not reused
+
+
+@dataclass
+class _Replayer:
+    """What the graphs replayed on one stream are made with: the stream they are warmed up and captured on and their
+    memory pool (neither shared with graphs that other streams replay)."""
+
+    capture: torch.cuda.Stream
+    pool: tuple
 
 
 class PrefillGraphs:
@@ -83,7 +100,7 @@ class PrefillGraphs:
     def __init__(self, capture: bool):
         self.capture = capture
         self._graphs: dict[tuple, _Graph] = {}
-        self._pool = None
+        self._replayers: dict[int, _Replayer] = {}  # by the replaying stream's handle
         self.captures: list[tuple[int, int, float]] = []  # (rows, width, seconds) of each capture
         self.refused: str | None = None  # why this model's prefill cannot be captured (then every prefill is eager)
 
@@ -133,12 +150,14 @@ class PrefillGraphs:
         device = state.lengths.device
         inputs = {name: getattr(plan, name).to(device) for name in PLAN_FIELDS}
         inputs["read"] = plan.keep[plan.where].to(device)
-        found = _Graph(None, inputs, None if table is None else table.clone(), None)
+        found = _Graph(None, inputs, None if table is None else table.clone(), None, state)
         if not self.capture:
             return found
         start = time.perf_counter()
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
+        current = torch.cuda.current_stream(device)
+        replayer = self.replayer(current)
+        side = replayer.capture
+        side.wait_stream(current)
         before = torch.cuda.get_sync_debug_mode()
         try:
             with torch.cuda.stream(side):  # cuBLAS and the attention kernels initialised outside the capture
@@ -147,15 +166,13 @@ class PrefillGraphs:
                     self._forward(decoder, found, state, n_prompt, num_ensemble, attention, prefill_logits)
                 finally:
                     torch.cuda.set_sync_debug_mode(before)
-            torch.cuda.current_stream(device).wait_stream(side)
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
+            current.wait_stream(side)
             found.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(found.graph, pool=self._pool):
+            with torch.cuda.graph(found.graph, pool=replayer.pool, stream=side):
                 found.output = self._forward(decoder, found, state, n_prompt, num_ensemble, attention,
                                              prefill_logits)
         except RuntimeError as error:
-            torch.cuda.current_stream(device).wait_stream(side)
+            current.wait_stream(side)
             torch.cuda.synchronize(device)
             self.refused = str(error).splitlines()[0] if str(error) else type(error).__name__
             logger.warning("prefills run eagerly: this model's prefill cannot be captured in a CUDA graph (%s)",
@@ -165,6 +182,14 @@ class PrefillGraphs:
         seconds = time.perf_counter() - start
         self.captures.append((plan.ids.shape[0], plan.width, seconds))
         logger.info("captured the prefill of %d rows at width %d in %.2f s", plan.ids.shape[0], plan.width, seconds)
+        return found
+
+    def replayer(self, stream: torch.cuda.Stream) -> _Replayer:
+        """The capture stream and memory pool of the graphs that ``stream`` replays (made on first use)."""
+        found = self._replayers.get(stream.cuda_stream)
+        if found is None:
+            found = _Replayer(torch.cuda.Stream(stream.device), torch.cuda.graph_pool_handle())
+            self._replayers[stream.cuda_stream] = found
         return found
 
 

@@ -441,13 +441,31 @@ class _Lane:
                 graphs=self.batcher._runner.prefill_graphs)
 
     def warm_prefills(self) -> None:
-        """Capture each staging row's prefill graph at every width bucket (no request waits on a capture)."""
+        """Capture each staging row's prefill graph at every width bucket (no request waits on a capture), on the
+        stream that will replay them (the side stream: ``prefill_graphs`` gives its graphs a capture stream and a
+        memory pool apart from the steps')."""
         decoder = self.batcher.decoder
         rows = decoder.prompt_tokens.config.num_rows if self.use_ppd else 0
         with torch.no_grad():
-            for staging in self.staging:
-                for length in warm_prompt_lengths(rows, 1, staging.capacity, decoder.capacity):
-                    self.prefill_alone(staging, [0] * length, DecodeConfig(max_new_tokens=1, stop_on_eos=False))
+            for staging in self.staging:  # the whole cache, here: allocated on this stream, which copies from it
+                staging.kv.reserve(staging.kv.capacity)
+            with self._on_side():
+                for staging in self.staging:
+                    for length in warm_prompt_lengths(rows, 1, staging.capacity, decoder.capacity):
+                        self.prefill_alone(staging, [0] * length, DecodeConfig(max_new_tokens=1, stop_on_eos=False))
+
+    @contextlib.contextmanager
+    def _on_side(self):
+        """Run the block on the side stream, after everything queued so far, and queue later work after it (where
+        prefills run beside the steps; else on the current stream)."""
+        if self.side is None:
+            yield
+            return
+        current = torch.cuda.current_stream(self.side.device)
+        self.side.wait_stream(current)
+        with torch.cuda.stream(self.side):
+            yield
+        current.wait_stream(self.side)
 
     def admit(self, joining: list[_Pending]) -> None:
         """Take the joining requests into the rows after the running ones. Without staging rows they are
