@@ -16,11 +16,11 @@ the launches', and a graph would hold their activations.
 
 A batcher replays prefills on a stream of its own while the steps' graphs replay on theirs (``serving.batcher``), so
 two graphs may run at once. Graphs run at once must share no memory: neither a memory pool (two replays would write
-each other's activations) nor a cuBLAS workspace, which torch before 2.12 keeps per handle and stream, and so per
-capture stream, and ``torch.cuda.graph`` captures every graph on one default stream (pytorch/pytorch#193402, fixed
-by #193832). So the graphs made while a stream is current, the one that will replay them, are warmed up and captured
-on a capture stream of that stream's own, into a pool of its own: graphs of one stream run one after another, and
-a prefill's logits are read after its replay, before the next.
+each other's activations) nor a cuBLAS workspace, which torch 2.11 keeps per handle and stream, and so per capture
+stream, while ``torch.cuda.graph`` captures every graph on one default stream (pytorch/pytorch#193402). So the
+graphs made while a stream is current, the one that will replay them, are warmed up and captured on a capture stream
+of that stream's own, into a pool of its own: graphs of one stream run one after another, and a prefill's logits
+are read after its replay, before the next.
 
 Without ``capture`` (a CPU, tests) the same padded inputs go through the same function eagerly, so the padding and
 the buffers are tested where no graph can be captured.
