@@ -7,6 +7,8 @@
 set -eu
 job=${1:?usage: launch.sh JOB_SCRIPT (a path inside the repository)}
 [ -f "$job" ] || { echo "no job script at $job" >&2; exit 2; }
+# (from the root the call starts in: v34's second launch, run from /root/tree, removed its own source and ran nothing)
+[ "$(pwd -P)" != /root/tree ] || { echo "launch.sh replaces /root/tree: run it from the call's own root" >&2; exit 2; }
 rm -rf /root/tree && mkdir -p /root/tree /root/res
 tar --exclude=./.gpu -cf - . | tar -xf - -C /root/tree
 rm -f /root/res/job.log

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Prepared in the thirty-eighth session for the next lease (H100 or H200). Stage with
+#   bash results/deep_gpu/lease/slim.sh on results/deep_gpu/h100/v35
+# and `bash results/deep_gpu/lease/stage.sh` (two calls); then one more call with carry=[".gpu_keep"] that launches
+# this from the call's own root. .gpu_keep (git-ignored) holds v31's compiled artifacts and, in old_a833cf3/, the three
+# files that ab890a7 changed, as they were at a833cf3 (`git show a833cf3:PATH`), for part (1)'s comparison.
+# Outputs in /root/res/v35. Parts are functions run in the order $JOB_ORDER names; by default:
+# (1) exactness first: v34's GPU test failed with four staging rows beside the steps (a request decoded wrongly). The
+#     suspected cause, fixed in ab890a7: the prefill graphs were captured on torch.cuda.graph's one default stream, as
+#     the steps' are, and so shared their cuBLAS workspace while replaying beside them. The engine's GPU tests run
+#     once and the batcher's three times on this tree; then the staging test, with four rows beside, three times on
+#     a copy of the tree with a833cf3's files (does the failure come back there?);
+# (2) only if (1) passed on this tree: four staging rows against one, timed again with the fix: batch 32 (the policy
+#     and the 17-row chained tree), 16 and 8 in one process, then the server at 16 clients, 160 requests, the two
+#     settings alternated twice (v34: 1.47x with p99 0.95x against 1.24x with p99 1.57x, one run each);
+# (3) issue 14's decoder table with four staging rows (b1-32).
+set -u
+source /root/tree/results/deep_gpu/lease/serving_job.sh "${JOB_VERSION:-v35}"
+exact=unknown
+tests() {  # the engine's GPU tests (prefill graphs among them) once, the batcher's three times
+  local failed=0
+  for i in 1 2 3; do
+    files="tests/test_batcher.py"; [ $i -eq 1 ] && files="$files tests/test_engine.py"
+    timeout 400 python -m pytest -q -p no:cacheprovider $files -k gpu >> $R/logs/tests.log 2>&1
+    rc=$?; echo "rc $rc (run $i)"; tail -n 1 $R/logs/tests.log; [ $rc -eq 0 ] || failed=1
+  done
+  if [ $failed -eq 0 ]; then exact=yes; else exact=no; fi
+}
+tests_old() {
+  rm -rf /root/old && cp -r /root/tree /root/old && cp -r /root/tree/.gpu_keep/old_a833cf3/. /root/old/
+  for i in 1 2 3; do
+    (cd /root/old && PYTHONPATH=/root/ppd-site:/root/old PPD_STAGING_ROWS=4 timeout 300 python -m pytest -q \
+      -p no:cacheprovider tests/test_batcher.py -k "never_waits and True" >> $R/logs/tests_old.log 2>&1)
+    echo "rc $? (a833cf3, four staging rows, run $i)"; tail -n 1 $R/logs/tests_old.log
+  done
+}
+B="--batchers default staging4=staging_rows:4"
+staging() {
+  [ "$exact" = yes ] || { echo "skipped: the GPU tests did not pass"; return; }
+  timeout 900 $C --batch_sizes 32 16 8 --prompts 160 --rounds 2 $B --trees results/lookup/trees/tree_8_lookup8.json \
+    --output $R/staging.json > $R/logs/staging.log 2>&1
+  rows $? $R/logs/staging.log 6; grep -E "^batch" $R/logs/staging.log | cut -c1-250
+}
+load16() {  # $1 names the output; the staging rows come from the environment
+  timeout 400 $L --methods baseline ppd --clients 16 --requests 160 "$S" --output $R/load16_$1.json \
+    > $R/logs/load16_$1.log 2>&1; rows $? $R/logs/load16_$1.log 5
+}
+load16_pairs() {
+  [ "$exact" = yes ] || { echo "skipped: the GPU tests did not pass"; return; }
+  load16 default_1; PPD_STAGING_ROWS=4 load16 staging4_1; PPD_STAGING_ROWS=4 load16 staging4_2; load16 default_2
+}
+continuous() {
+  [ "$exact" = yes ] || { echo "skipped: the GPU tests did not pass"; return; }
+  PPD_STAGING_ROWS=4 timeout 900 $C --batch_sizes 32 16 8 4 2 1 --prompts 160 \
+    --trees results/lookup/trees/tree_8_lookup8.json --output $R/continuous_staging4.json \
+    --plot $R/continuous_staging4.png > $R/logs/continuous.log 2>&1; rows $? $R/logs/continuous.log 9
+}
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  unpack_kept
+  for part in ${JOB_ORDER:-tests tests_old staging load16_pairs continuous}; do
+    t "$part"; "$part"
+  done
+  t end
+} > /root/res/job.log 2>&1
+echo "JOB DONE" >> /root/res/job.log
