@@ -5,6 +5,7 @@
 # this from the call's own root. .gpu_keep (git-ignored) holds v31's compiled artifacts and, in old_a833cf3/, the three
 # files that ab890a7 changed, as they were at a833cf3 (`git show a833cf3:PATH`), for part (1)'s comparison.
 # Outputs in /root/res/v35. Parts are functions run in the order $JOB_ORDER names; by default:
+# (0) workspace_race.py: does the mechanism below show at all, in two graphs of plain products (seconds)?
 # (1) exactness first: v34's GPU test failed with four staging rows beside the steps (a request decoded wrongly). The
 #     suspected cause, fixed in ab890a7: the prefill graphs were captured on torch.cuda.graph's one default stream, as
 #     the steps' are, and so shared their cuBLAS workspace while replaying beside them. The engine's GPU tests run
@@ -17,6 +18,10 @@
 set -u
 source /root/tree/results/deep_gpu/lease/serving_job.sh "${JOB_VERSION:-v35}"
 exact=unknown
+race() {  # the mechanism alone: two graphs' products replayed at once, captured on one stream or each on its own
+  timeout 120 python results/deep_gpu/workspace_race.py --rounds 300 --output $R/workspace_race.json \
+    > $R/logs/race.log 2>&1; echo "rc $?"; tail -n 2 $R/logs/race.log
+}
 tests() {  # the engine's GPU tests (prefill graphs among them) once, the batcher's three times
   local failed=0
   for i in 1 2 3; do
@@ -58,7 +63,7 @@ continuous() {
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   unpack_kept
-  for part in ${JOB_ORDER:-tests tests_old staging load16_pairs continuous}; do
+  for part in ${JOB_ORDER:-race tests tests_old staging load16_pairs continuous}; do
     t "$part"; "$part"
   done
   t end
