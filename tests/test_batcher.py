@@ -516,7 +516,7 @@ def test_a_joining_requests_prefill_never_waits_for_the_device_on_the_gpu(monkey
     a running batch (a lookup chain in the trees, so the history is written) still decode what they do alone, with
     one staging row and with four (several prefills under way beside the steps: h100/v34 found a request decoding
     wrongly there, beside, when the prefill graphs still shared the steps' capture stream, and so their cuBLAS
-    workspace; ``prefill_graphs`` now gives each replaying stream its own)."""
+    workspace; now no two of ppd's streams are one, ``decoding.streams``)."""
     from ppd.serving import batcher as batching
 
     launch = batching._Lane._launch
@@ -540,13 +540,16 @@ def test_a_joining_requests_prefill_never_waits_for_the_device_on_the_gpu(monkey
         lane = batcher._lane(batching.DecodeMethod.PPD)
         assert (lane.side is not None) == beside
         batcher.warmup()
-        # The staging graphs are made on the stream that replays them, and captured on a stream of that one's own,
-        # not on torch's default capture stream, which the steps' graphs were captured on.
+        # The staging graphs are made for the stream that replays them: captured on the side stream itself, or
+        # without it on a stream of their own, never on the steps' capture stream (whose cuBLAS workspace they would
+        # share while they run beside the steps).
         replayers = batcher._runner.prefill_graphs._replayers
         replaying = lane.side if beside else torch.cuda.current_stream()
         assert list(replayers) == [replaying.cuda_stream]
         capture = replayers[replaying.cuda_stream].capture
-        assert capture.cuda_stream != torch.cuda.graph.default_capture_stream.cuda_stream
+        assert capture.cuda_stream not in (batcher._runner._capture_stream.cuda_stream,
+                                           torch.cuda.default_stream().cuda_stream)
+        assert (capture == lane.side) == beside
         streams = [batcher.submit(ids, DecodeConfig(max_new_tokens=n, capture="graph")) for ids, n in reqs]
         results = [s.result(timeout=300) for s in streams]
     for (ids, n), result in zip(reqs, results):

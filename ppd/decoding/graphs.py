@@ -5,9 +5,11 @@ captured the first time a (state, tree tables, step kind, width) combination run
 on: the state's buffers never move, so the graph reads and writes them directly and the host only copies
 out the small report. All graphs of a runner share one memory pool (they never run at the same time).
 
-Capture runs the step a few times first (which also compiles it) on a side stream, restoring the state's
-small tensors after each run, so capturing never changes what a request decodes. Under capture nothing
-executes. Each capture's seconds (compilation included) are kept in :attr:`StepRunner.captures`.
+Capture runs the step a few times first (which also compiles it) on the runner's capture stream, restoring the
+state's small tensors after each run, so capturing never changes what a request decodes; the graph is captured on
+that stream too, one of ppd's own (``decoding.streams``: no prefill a batcher runs beside the steps is captured or
+run on it, so none shares its cuBLAS workspace). Under capture nothing executes. Each capture's seconds
+(compilation included) are kept in :attr:`StepRunner.captures`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from .packed_linear import PackedLinear, ensure_packed
 from .prefill_graphs import PrefillGraphs
 from .state import DecodeState
 from .step import LanguageModel, StepKind, decode_step
+from .streams import own_stream
 from .tables import TreeTables
 
 logger = logging.getLogger(__name__)
@@ -188,6 +191,7 @@ class StepRunner:
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple]] = {}
         self._static: set[int] = set()  # states whose buffers torch's own CUDA graphs may treat as fixed
         self._pool = None
+        self._capture_stream: torch.cuda.Stream | None = None
         self.captures: list[Capture] = []
         # Prefills replayed from graphs of their own, where steps are (``$PPD_PREFILL_GRAPHS=0``: eager prefills)
         self.prefill_graphs = PrefillGraphs(capture=True) if (
@@ -283,7 +287,9 @@ class StepRunner:
     def _capture(self, tables, prompt_embeds, state: DecodeState, kind: StepKind, width: int) -> torch.cuda.CUDAGraph:
         start = time.perf_counter()
         saved = state.snapshot()
-        side = torch.cuda.Stream(self.device)
+        if self._capture_stream is None:  # warm-ups and captures on a stream of the runner's own (``streams``)
+            self._capture_stream = own_stream(self.device)
+        side = self._capture_stream
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(WARMUP_RUNS):  # compiles (if compiled) and initialises cuBLAS outside the capture
@@ -293,7 +299,7 @@ class StepRunner:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool, stream=side):
             self._call(tables, prompt_embeds, state, kind, width)
         state.restore(saved)
         torch.cuda.synchronize(self.device)

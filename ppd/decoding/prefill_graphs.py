@@ -17,10 +17,12 @@ the launches', and a graph would hold their activations.
 A batcher replays prefills on a stream of its own while the steps' graphs replay on theirs (``serving.batcher``), so
 two graphs may run at once. Graphs run at once must share no memory: neither a memory pool (two replays would write
 each other's activations) nor a cuBLAS workspace, which torch 2.11 keeps per handle and stream, and so per capture
-stream, while ``torch.cuda.graph`` captures every graph on one default stream (pytorch/pytorch#193402). So the
-graphs made while a stream is current, the one that will replay them, are warmed up and captured on a capture stream
-of that stream's own, into a pool of its own: graphs of one stream run one after another, and a prefill's logits
-are read after its replay, before the next.
+stream, and a graph keeps the workspace of the stream it was captured on (pytorch/pytorch#193402). So the graphs
+made while a stream is current, the one that will replay them, are warmed up and captured on that stream itself
+(or, for the device's default stream, where nothing can be captured, on a stream of its own from
+:func:`~ppd.decoding.streams.own_stream`), into a pool of their own: graphs of one stream run one after another,
+and a prefill's logits are read after its replay, before the next. The steps' graphs are captured on a stream of
+their own (``decoding.graphs``), and a batcher's side streams are its own streams too, so none is another.
 
 Without ``capture`` (a CPU, tests) the same padded inputs go through the same function eagerly, so the padding and
 the buffers are tested where no graph can be captured.
@@ -37,6 +39,7 @@ import torch
 from ..attention import plan_free_sdpa
 from ..prefill import PrefillPlan, plan_prefill, prefill_inputs
 from ..uploads import upload_into
+from .streams import own_stream
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +90,8 @@ class _Graph:
 
 @dataclass
 class _Replayer:
-    """What the graphs replayed on one stream are made with: the stream they are warmed up and captured on and their
-    memory pool (neither shared with graphs that other streams replay)."""
+    """What the graphs replayed on one stream are made with: the stream they are warmed up and captured on (that
+    stream itself, or one of its own for the default stream) and their memory pool."""
 
     capture: torch.cuda.Stream
     pool: tuple
@@ -188,7 +191,8 @@ class PrefillGraphs:
         """The capture stream and memory pool of the graphs that ``stream`` replays (made on first use)."""
         found = self._replayers.get(stream.cuda_stream)
         if found is None:
-            found = _Replayer(torch.cuda.Stream(stream.device), torch.cuda.graph_pool_handle())
+            default = stream == torch.cuda.default_stream(stream.device)  # no capture there
+            found = _Replayer(own_stream(stream.device) if default else stream, torch.cuda.graph_pool_handle())
             self._replayers[stream.cuda_stream] = found
         return found
 

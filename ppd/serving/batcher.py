@@ -43,6 +43,7 @@ from ..decoding.loop import batch_bucket, prefill, queue_step, reset_rows, runs_
 from ..decoding.prefill_graphs import warm_prompt_lengths
 from ..decoding.state import REASONS, REPORT_HEAD, RUNNING, DecodeState
 from ..decoding.step import StepKind
+from ..decoding.streams import own_stream
 from ..downloads import Download
 from .heap import CollectionWatch, freeze_heap, thaw_heap
 from .stream import EngineClosedError, QueueFullError, Stream
@@ -385,7 +386,7 @@ class _Lane:
         # On a GPU the staging rows' prefills run on a stream of their own, beside the running rows' steps; a
         # staging row's event says when the last row copied out of it has been copied (it may be written again).
         priority = -1 if config.prefill_priority == "high" else 0  # CUDA: the lower number runs first
-        self.side: torch.cuda.Stream | None = (torch.cuda.Stream(decoder.device, priority=priority)
+        self.side: torch.cuda.Stream | None = (own_stream(decoder.device, priority=priority)
                                                if self.staging is not None and decoder.device.type == "cuda"
                                                and config.prefill_beside else None)
         self._staging_free: list[torch.cuda.Event | None] = [None] * config.staging_rows

@@ -7,10 +7,11 @@
 # Outputs in /root/res/v35. Parts are functions run in the order $JOB_ORDER names; by default:
 # (0) workspace_race.py: does the mechanism below show at all, in two graphs of plain products (seconds)?
 # (1) exactness first: v34's GPU test failed with four staging rows beside the steps (a request decoded wrongly). The
-#     suspected cause, fixed in ab890a7: the prefill graphs were captured on torch.cuda.graph's one default stream, as
-#     the steps' are, and so shared their cuBLAS workspace while replaying beside them. The engine's GPU tests run
-#     once and the batcher's three times on this tree; then the staging test, with four rows beside, three times on
-#     a copy of the tree with a833cf3's files (does the failure come back there?);
+#     suspected cause: the prefill graphs were captured on torch.cuda.graph's one default stream, as the steps'
+#     were, and so shared their cuBLAS workspace while replaying beside them (fixed in ab890a7; since, every stream
+#     ppd captures or runs prefills on is a distinct CUDA stream, ppd/decoding/streams.py). The engine's GPU tests
+#     and test_streams.py run once and the batcher's three times on this tree; then the staging test, with four
+#     rows beside, three times on a copy of the tree with a833cf3's files (does the failure come back there?);
 # (2) only if (1) passed on this tree: four staging rows against one, timed again with the fix: batch 32 (the policy
 #     and the 17-row chained tree), 16 and 8 in one process, then the server at 16 clients, 160 requests, the two
 #     settings alternated twice (v34: 1.47x with p99 0.95x against 1.24x with p99 1.57x, one run each);
@@ -25,7 +26,7 @@ race() {  # the mechanism alone: two graphs' products replayed at once, captured
 tests() {  # the engine's GPU tests (prefill graphs among them) once, the batcher's three times
   local failed=0
   for i in 1 2 3; do
-    files="tests/test_batcher.py"; [ $i -eq 1 ] && files="$files tests/test_engine.py"
+    files="tests/test_batcher.py"; [ $i -eq 1 ] && files="$files tests/test_engine.py tests/test_streams.py"
     timeout 400 python -m pytest -q -p no:cacheprovider $files -k gpu >> $R/logs/tests.log 2>&1
     rc=$?; echo "rc $rc (run $i)"; tail -n 1 $R/logs/tests.log; [ $rc -eq 0 ] || failed=1
   done
