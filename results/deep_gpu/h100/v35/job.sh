@@ -2,8 +2,9 @@
 # Prepared in the thirty-eighth session for the next lease (H100 or H200). Stage with
 #   bash results/deep_gpu/lease/slim.sh on results/deep_gpu/h100/v35
 # and `bash results/deep_gpu/lease/stage.sh` (two calls); then one more call with carry=[".gpu_keep"] that launches
-# this from the call's own root. .gpu_keep (git-ignored) holds v31's compiled artifacts and, in old_a833cf3/, the three
-# files that ab890a7 changed, as they were at a833cf3 (`git show a833cf3:PATH`), for part (1)'s comparison.
+# this from the call's own root. .gpu_keep (git-ignored) holds v31's compiled artifacts and, in old_a833cf3/, the files
+# that ab890a7 and 6d5e7c6 changed, as they were at a833cf3 (`git show a833cf3:PATH` for ppd/decoding/graphs.py,
+# ppd/decoding/prefill_graphs.py, ppd/serving/batcher.py, tests/test_batcher.py), for part (1)'s comparison.
 # Outputs in /root/res/v35. Parts are functions run in the order $JOB_ORDER names; by default:
 # (0) workspace_race.py: does the mechanism below show at all, in two graphs of plain products (seconds)?
 # (1) exactness first: v34's GPU test failed with four staging rows beside the steps (a request decoded wrongly). The
@@ -11,7 +12,8 @@
 #     were, and so shared their cuBLAS workspace while replaying beside them (fixed in ab890a7; since, every stream
 #     ppd captures or runs prefills on is a distinct CUDA stream, ppd/decoding/streams.py). The engine's GPU tests
 #     and test_streams.py run once and the batcher's three times on this tree; then the staging test, with four
-#     rows beside, three times on a copy of the tree with a833cf3's files (does the failure come back there?);
+#     rows beside, three times on a copy of the tree with a833cf3's files (does the failure come back there? and if
+#     so, does CUBLAS_WORKSPACE_CONFIG=:0:0, no workspace, mend it there?);
 # (2) only if (1) passed on this tree: four staging rows against one, timed again with the fix: batch 32 (the policy
 #     and the 17-row chained tree), 16 and 8 in one process, then the server at 16 clients, 160 requests, the two
 #     settings alternated twice (v34: 1.47x with p99 0.95x against 1.24x with p99 1.57x, one run each);
@@ -32,13 +34,17 @@ tests() {  # the engine's GPU tests (prefill graphs among them) once, the batche
   done
   if [ $failed -eq 0 ]; then exact=yes; else exact=no; fi
 }
-tests_old() {
+old_test() {  # $1 names the run; the environment says the rest
+  (cd /root/old && PYTHONPATH=/root/ppd-site:/root/old PPD_STAGING_ROWS=4 timeout 300 python -m pytest -q \
+    -p no:cacheprovider tests/test_batcher.py -k "never_waits and True" >> $R/logs/tests_old.log 2>&1)
+  rc=$?; echo "rc $rc (a833cf3, four staging rows, $1)"; tail -n 1 $R/logs/tests_old.log; return $rc
+}
+tests_old() {  # then, if it failed there, three times more without cuBLAS's workspace (does that alone mend it?)
   rm -rf /root/old && cp -r /root/tree /root/old && cp -r /root/tree/.gpu_keep/old_a833cf3/. /root/old/
-  for i in 1 2 3; do
-    (cd /root/old && PYTHONPATH=/root/ppd-site:/root/old PPD_STAGING_ROWS=4 timeout 300 python -m pytest -q \
-      -p no:cacheprovider tests/test_batcher.py -k "never_waits and True" >> $R/logs/tests_old.log 2>&1)
-    echo "rc $? (a833cf3, four staging rows, run $i)"; tail -n 1 $R/logs/tests_old.log
-  done
+  local failed=0
+  for i in 1 2 3; do old_test "run $i" || failed=1; done
+  [ $failed -eq 1 ] || return 0
+  for i in 1 2 3; do CUBLAS_WORKSPACE_CONFIG=:0:0 old_test "no cuBLAS workspace, run $i"; done
 }
 B="--batchers default staging4=staging_rows:4"
 staging() {
