@@ -443,8 +443,8 @@ class _Lane:
 
     def warm_prefills(self) -> None:
         """Capture each staging row's prefill graph at every width bucket (no request waits on a capture), on the
-        stream that will replay them (the side stream: ``prefill_graphs`` gives its graphs a capture stream and a
-        memory pool apart from the steps')."""
+        stream that will replay them: the side stream captures them itself, into a memory pool of its own
+        (``prefill_graphs``), so that no prefill shares a cuBLAS workspace or memory with the steps beside it."""
         decoder = self.batcher.decoder
         rows = decoder.prompt_tokens.config.num_rows if self.use_ppd else 0
         with torch.no_grad():
