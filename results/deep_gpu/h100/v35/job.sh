@@ -17,6 +17,8 @@
 # (2) only if (1) passed on this tree: four staging rows against one, timed again with the fix: batch 32 (the policy
 #     and the 17-row chained tree), 16 and 8 in one process, then the server at 16 clients, 160 requests, the two
 #     settings alternated twice (v34: 1.47x with p99 0.95x against 1.24x with p99 1.57x, one run each);
+# After (2)'s first process, the compiled artifacts (now with the 17-row tree at batch 32) are packed for peek.sh to
+# bring back (pack_kept): `cat compiled.tgz.* > .gpu_keep/compiled_v35_h100.tgz`, which later jobs then unpack.
 # (3) issue 14's decoder table with four staging rows (b1-32).
 set -u
 source /root/tree/results/deep_gpu/lease/serving_job.sh "${JOB_VERSION:-v35}"
@@ -70,7 +72,7 @@ continuous() {
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   unpack_kept
-  for part in ${JOB_ORDER:-race tests tests_old staging load16_pairs continuous}; do
+  for part in ${JOB_ORDER:-race tests tests_old staging pack_kept load16_pairs continuous}; do
     t "$part"; "$part"
   done
   t end
