@@ -19,7 +19,8 @@
 #     settings alternated twice (v34: 1.47x with p99 0.95x against 1.24x with p99 1.57x, one run each);
 # After (2)'s first process, the compiled artifacts (now with the 17-row tree at batch 32) are packed for peek.sh to
 # bring back (pack_kept): `cat compiled.tgz.* > .gpu_keep/compiled_v35_h100.tgz`, which later jobs then unpack.
-# (3) issue 14's decoder table with four staging rows (b1-32).
+# (3) issue 18: the batch-16 tree step at 8K of context, kernel by kernel (eval.step_profile), beside the one-row step;
+# (4) issue 14's decoder table with four staging rows (b1-32).
 set -u
 source /root/tree/results/deep_gpu/lease/serving_job.sh "${JOB_VERSION:-v35}"
 exact=unknown
@@ -63,6 +64,11 @@ load16_pairs() {
   [ "$exact" = yes ] || { echo "skipped: the GPU tests did not pass"; return; }
   load16 default_1; PPD_STAGING_ROWS=4 load16 staging4_1; PPD_STAGING_ROWS=4 load16 staging4_2; load16 default_2
 }
+profile_8k() {  # issue 18: where a batch-16 tree step's time goes at 8K of context (h200/v28b: 0.91x there)
+  timeout 480 python -m eval.step_profile $E --context 8000 --batch_size 16 --steps 16 --max_seq_len 8448 \
+    --trees results/lookup/trees/tree_16_lookup8.json results/lookup/trees/tree_8_lookup8.json --top 40 --sequence \
+    --output $R/step_profile_8k_b16.json > $R/logs/profile_8k.log 2>&1; rows $? $R/logs/profile_8k.log 8
+}
 continuous() {
   [ "$exact" = yes ] || { echo "skipped: the GPU tests did not pass"; return; }
   PPD_STAGING_ROWS=4 timeout 900 $C --batch_sizes 32 16 8 4 2 1 --prompts 160 \
@@ -72,7 +78,7 @@ continuous() {
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   unpack_kept
-  for part in ${JOB_ORDER:-race tests tests_old staging pack_kept load16_pairs continuous}; do
+  for part in ${JOB_ORDER:-race tests tests_old staging pack_kept load16_pairs profile_8k continuous}; do
     t "$part"; "$part"
   done
   t end
