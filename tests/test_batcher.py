@@ -230,6 +230,58 @@ def test_more_staging_rows_keep_more_prefills_under_way_for_the_same_tokens(monk
         BatcherConfig(staging_rows=0)
 
 
+def test_prefilling_ahead_fills_freed_rows_sooner_for_the_same_tokens(monkeypatch):
+    """With ``prefill_ahead`` a lane takes joining requests from the queue while every row runs, one per staging
+    row, and prefills them there, so that each joins as soon as a row frees. Here (two staging rows, three rows, a
+    prefill read as run once two of the lane's steps have been queued after it, as a GPU would run it beside them)
+    prefills start while all three rows run, the batch runs fuller (fewer steps for the same requests), no more than
+    three rows ever run, and every request decodes what it does alone."""
+    from ppd.downloads import Download
+    from ppd.serving import batcher as batching
+
+    clock, made = [0], Download.__init__
+
+    def stamped(self, tensor):
+        made(self, tensor)
+        self.queued_at = clock[0]
+
+    monkeypatch.setattr(Download, "__init__", stamped)
+    monkeypatch.setattr(Download, "ready", lambda self: clock[0] - self.queued_at >= 2)
+    launch, full, most = batching._Lane._launch, [], []
+
+    def counted(lane, pending, slot):
+        full.append(len(lane.rows) == lane.batcher.config.max_batch)
+        return launch(lane, pending, slot)
+
+    step = batching._Lane.step
+
+    def watched(lane):
+        most.append(len(lane.rows))
+        clock[0] += 1
+        step(lane)
+
+    monkeypatch.setattr(batching._Lane, "_launch", counted)
+    monkeypatch.setattr(batching._Lane, "step", watched)
+    monkeypatch.setenv("PPD_STAGING_ROWS", "2")
+    reqs = [(ids, 6 + n % 9) for ids, n in requests(9, 12)]
+    answers, steps, ahead = {}, {}, {}
+    for value in ("0", "1"):
+        full.clear()
+        answers[value], batcher = through_a_staging_row(monkeypatch, "PPD_PREFILL_AHEAD", value, reqs,
+                                                        DecodeConfig(stop_on_eos=False), max_batch=3)
+        assert batcher.config.prefill_ahead == (value == "1")
+        lane, = batcher._lanes.values()
+        assert lane.holds == 3 + 2 * (value == "1") and not lane.flights and lane.free_staging_row() == 0
+        steps[value], ahead[value] = batcher.batch_steps, any(full)
+    assert answers["1"] == answers["0"] == [batcher.decoder.generate(ids, DecodeConfig(
+        max_new_tokens=n, stop_on_eos=False)).token_ids for ids, n in reqs]
+    assert ahead == {"0": False, "1": True} and max(most) == 3
+    assert steps["1"] < steps["0"]
+    monkeypatch.setenv("PPD_PREFILL_AHEAD", "yes")
+    with pytest.raises(ValueError, match="PPD_PREFILL_AHEAD must be 0 or 1"):
+        BatcherConfig()
+
+
 def test_the_side_streams_priority_comes_from_the_environment_and_a_wrong_one_is_refused(monkeypatch):
     assert BatcherConfig().prefill_priority == "normal"
     monkeypatch.setenv("PPD_PREFILL_PRIORITY", "high")

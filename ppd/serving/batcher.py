@@ -10,7 +10,8 @@ of the state's first rows, so graphs captured for a bucket stay valid). Between 
    prefills replay CUDA graphs (a GPU), a joining request is prefilled alone in a one-row staging state on a
    side stream while the running rows go on stepping, and its row is copied into the batch once that prefill
    has run: the running rows wait for the copy only, not for the prefill (``_Lane.advance_admissions``;
-   ``BatcherConfig.staging_rows`` such states let that many prefills be under way at once);
+   ``BatcherConfig.staging_rows`` such states let that many prefills be under way at once, and with
+   ``BatcherConfig.prefill_ahead`` they are prefilled while every row still runs, each joining as a row frees);
 3. runs one step for the bucket: the PPD tree step with the tree the decoder's batch policy names for
    that bucket, or the one-row step where the policy says speculation does not pay. On a GPU the thread
    runs one step ahead, as ``decoding.loop.decode`` does: it queues the next step before it reads the last
@@ -60,6 +61,7 @@ BACKLOGS = ("beside", "waited")  # BatcherConfig.backlog: the first is the defau
 PREFILL_PRIORITY_ENV = "PPD_PREFILL_PRIORITY"
 PREFILL_PRIORITIES = ("normal", "high")  # BatcherConfig.prefill_priority: the first is the default
 STAGING_ROWS_ENV = "PPD_STAGING_ROWS"
+PREFILL_AHEAD_ENV = "PPD_PREFILL_AHEAD"
 
 
 @dataclass
@@ -97,6 +99,11 @@ class BatcherConfig:
     # lane whose rows finish faster than one prefill at a time refills them (h100/v33: at batch 32 each request
     # waited 62-69 steps for the one row under small trees). Default from $PPD_STAGING_ROWS, else 1.
     staging_rows: int = field(default_factory=lambda: env_count(STAGING_ROWS_ENV, 1))
+    # With staging rows: take joining requests from the queue, and prefill them, while every row of the lane still
+    # runs, up to one per staging row, so that each joins the moment a row frees instead of starting its prefill
+    # then (the rows a step leaves empty cost ppd, whose requests live fewer steps, more than the baseline). Each
+    # still gets its first token when it joins. Default from $PPD_PREFILL_AHEAD (0 or 1), else off.
+    prefill_ahead: bool = field(default_factory=lambda: env_choice(PREFILL_AHEAD_ENV, ("0", "1"), "0") == "1")
 
     def __post_init__(self) -> None:
         self.capture = CaptureMode(self.capture)
@@ -302,11 +309,9 @@ class ContinuousBatcher:
             if pending.stream.cancelled:
                 pending.stream._push([], 0, "cancelled", counts_as_step=False)
                 continue
-            method = pending.config.method
-            free = self.config.max_batch - (self._lanes[method].occupied if method in self._lanes else 0)
-            if len(joining.get(method, [])) < free:
-                joining.setdefault(method, []).append(pending)
-                self._lane(method)
+            lane = self._lane(pending.config.method)
+            if len(joining.get(lane.method, [])) < lane.holds - lane.occupied:
+                joining.setdefault(lane.method, []).append(pending)
             else:
                 kept.append(pending)
         self._waiting = kept
@@ -395,6 +400,13 @@ class _Lane:
     def occupied(self) -> int:
         """The rows its running and joining requests take (or will); safe to read from another thread."""
         return len(self.rows) + len(self.joining) + len(self.flights)
+
+    @property
+    def holds(self) -> int:
+        """The requests it takes from the queue at most: a row each, and with ``prefill_ahead`` one more in each
+        staging row while every row runs."""
+        config = self.batcher.config
+        return config.max_batch + (len(self.staging) if config.prefill_ahead and self.staging is not None else 0)
 
     def admitting_streams(self) -> list[Stream]:
         """The streams of the requests joining this lane (not in a row yet)."""
@@ -513,7 +525,7 @@ class _Lane:
                     pending.stream._push([], 0, "cancelled", counts_as_step=False)
                     continue
                 self.flights.append(self._launch(pending, slot))
-            if not self.flights:
+            if not self.flights or len(self.rows) == self.batcher.config.max_batch:  # (prefilled ahead: no row yet)
                 return
             backlog = len(self.joining) + len(self.flights)  # the requests in flight and those after them
             waited = not self.rows or (waits_for_backlog and len(self.rows) < backlog)

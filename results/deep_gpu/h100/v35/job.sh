@@ -14,9 +14,10 @@
 #     and test_streams.py run once and the batcher's three times on this tree; then the staging test, with four
 #     rows beside, three times on a copy of the tree with a833cf3's files (does the failure come back there? and if
 #     so, does CUBLAS_WORKSPACE_CONFIG=:0:0, no workspace, mend it there?);
-# (2) only if (1) passed on this tree: four staging rows against one, timed again with the fix: batch 32 (the policy
-#     and the 17-row chained tree), 16 and 8 in one process, then the server at 16 clients, 160 requests, the two
-#     settings alternated twice (v34: 1.47x with p99 0.95x against 1.24x with p99 1.57x, one run each);
+# (2) only if (1) passed on this tree: four staging rows against one, timed again with the fix, and four with
+#     prefill_ahead (new: requests prefilled while every row runs, so each joins as a row frees): batch 32 (the
+#     policy and the 17-row chained tree), 16 and 8 in one process, then the server at 16 clients, 160 requests:
+#     one row, four ahead, four, four ahead again (v34: four rows 1.47x with p99 0.95x, one 1.24x with p99 1.57x);
 # After (2)'s first process, the compiled artifacts (now with the 17-row tree at batch 32) are packed for peek.sh to
 # bring back (pack_kept): `cat compiled.tgz.* > .gpu_keep/compiled_v35_h100.tgz`, which later jobs then unpack.
 # (3) issue 18: the batch-16 tree step at 8K of context, kernel by kernel (eval.step_profile), beside the one-row step;
@@ -49,7 +50,7 @@ tests_old() {  # then, if it failed there, three times more without cuBLAS's wor
   [ $failed -eq 1 ] || return 0
   for i in 1 2 3; do CUBLAS_WORKSPACE_CONFIG=:0:0 old_test "no cuBLAS workspace, run $i"; done
 }
-B="--batchers default staging4=staging_rows:4"
+B="--batchers default staging4=staging_rows:4 ahead4=staging_rows:4,prefill_ahead:true"
 staging() {
   [ "$exact" = yes ] || { echo "skipped: the GPU tests did not pass"; return; }
   timeout 900 $C --batch_sizes 32 16 8 --prompts 160 --rounds 2 $B --trees results/lookup/trees/tree_8_lookup8.json \
@@ -62,7 +63,8 @@ load16() {  # $1 names the output; the staging rows come from the environment
 }
 load16_pairs() {
   [ "$exact" = yes ] || { echo "skipped: the GPU tests did not pass"; return; }
-  load16 default_1; PPD_STAGING_ROWS=4 load16 staging4_1; PPD_STAGING_ROWS=4 load16 staging4_2; load16 default_2
+  load16 default; PPD_STAGING_ROWS=4 PPD_PREFILL_AHEAD=1 load16 ahead4_1; PPD_STAGING_ROWS=4 load16 staging4
+  PPD_STAGING_ROWS=4 PPD_PREFILL_AHEAD=1 load16 ahead4_2
 }
 profile_8k() {  # issue 18: where a batch-16 tree step's time goes at 8K of context (h200/v28b: 0.91x there)
   timeout 480 python -m eval.step_profile $E --context 8000 --batch_size 16 --steps 16 --max_seq_len 8448 \
