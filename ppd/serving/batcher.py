@@ -322,7 +322,8 @@ class ContinuousBatcher:
 class AdmissionSteps:
     """Where requests that joined through a staging row spent their lane's steps: waiting for the staging row
     (``waiting``: from being taken from the queue to their prefill's launch) and with their prefill in flight
-    there (``in_flight``: from its launch to the copy of their row into the batch), summed over ``admissions``."""
+    there (``in_flight``: from its launch to the copy of their row into the batch; with ``prefill_ahead`` this
+    includes the steps a prefilled request waits for a row to free), summed over ``admissions``."""
 
     admissions: int = 0
     waiting: int = 0
