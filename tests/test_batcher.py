@@ -594,10 +594,13 @@ def test_a_joining_requests_prefill_never_waits_for_the_device_on_the_gpu(monkey
         batcher.warmup()
         # The staging graphs are made for the stream that replays them: captured on the side stream itself, or
         # without it on a stream of their own, never on the steps' capture stream (whose cuBLAS workspace they would
-        # share while they run beside the steps).
+        # share while they run beside the steps). Each lane (ppd's, the baseline's) has a side stream of its own.
         replayers = batcher._runner.prefill_graphs._replayers
         replaying = lane.side if beside else torch.cuda.current_stream()
-        assert list(replayers) == [replaying.cuda_stream]
+        sides = {other.side.cuda_stream for other in batcher._lanes.values()} if beside else {replaying.cuda_stream}
+        assert set(replayers) == sides
+        captures = [found.capture.cuda_stream for found in replayers.values()]
+        assert len(set(captures)) == len(captures)
         capture = replayers[replaying.cuda_stream].capture
         assert capture.cuda_stream not in (batcher._runner._capture_stream.cuda_stream,
                                            torch.cuda.default_stream().cuda_stream)
