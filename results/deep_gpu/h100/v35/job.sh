@@ -38,6 +38,18 @@ tests() {  # the engine's GPU tests (prefill graphs among them) once, the batche
   done
   if [ $failed -eq 0 ]; then exact=yes; else exact=no; fi
 }
+tests_batcher() {  # the batcher's GPU tests alone, twice (the second launch, after the test's own check was mended)
+  local failed=0
+  for i in 1 2; do
+    timeout 300 python -m pytest -q -p no:cacheprovider tests/test_batcher.py -k gpu >> $R/logs/tests_batcher.log 2>&1
+    rc=$?; echo "rc $rc (run $i)"; tail -n 1 $R/logs/tests_batcher.log; [ $rc -eq 0 ] || failed=1
+  done
+  if [ $failed -eq 0 ]; then exact=yes; else exact=no; fi
+}
+segv() {  # v35's first tests run (engine, streams, batcher) ended in a segmentation fault after pytest's summary
+  timeout 400 python -X faulthandler -m pytest -q -p no:cacheprovider -p no:faulthandler tests/test_streams.py \
+    tests/test_engine.py -k gpu > $R/logs/segv.log 2>&1; echo "rc $?"; tail -n 30 $R/logs/segv.log | cut -c1-200
+}
 old_test() {  # $1 names the run; the environment says the rest
   (cd /root/old && PYTHONPATH=/root/ppd-site:/root/old PPD_STAGING_ROWS=4 timeout 300 python -m pytest -q \
     -p no:cacheprovider tests/test_batcher.py -k "never_waits and True" >> $R/logs/tests_old.log 2>&1)
