@@ -282,6 +282,40 @@ def test_prefilling_ahead_fills_freed_rows_sooner_for_the_same_tokens(monkeypatc
         BatcherConfig()
 
 
+def test_a_request_cancelled_while_prefilled_ahead_frees_its_staging_row_at_once(monkeypatch):
+    """A request cancelled while its prefill waits for a row of the batch (prefilled ahead, every row running) ends
+    there, once its prefill has run, instead of holding its staging row until a row frees and joining only to be
+    dropped: it never joins, and the requests around it decode what they do alone."""
+    from ppd.serving import batcher as batching
+
+    launch, full = batching._Lane._launch, []
+
+    def cancelling(lane, pending, slot):
+        flight = launch(lane, pending, slot)
+        if pending.ids == doomed_ids:
+            full.append(len(lane.rows) == lane.batcher.config.max_batch)
+            pending.stream.cancel()  # after its prefill was queued, as a client going away then would
+        return flight
+
+    monkeypatch.setattr(batching._Lane, "_launch", cancelling)
+    monkeypatch.setenv("PPD_STAGING_ROWS", "2")
+    # Two rows, two staging rows: the first two requests join, the third waits prefilled in a staging row, and
+    # the fourth, prefilled in the other while both rows run, is cancelled.
+    reqs = [(ids, 40) for ids, _ in requests(11, 3)]
+    doomed_ids = list(range(3, 12))
+    reqs += [(doomed_ids, 40), ([7, 8, 9, 10], 5)]
+    answers, batcher = through_a_staging_row(monkeypatch, "PPD_PREFILL_AHEAD", "1", reqs,
+                                             DecodeConfig(stop_on_eos=False), max_batch=2)
+    lane, = batcher._lanes.values()
+    assert full == [True]  # it was prefilled ahead, while both rows ran
+    assert answers[3] == []  # cancelled with no token: it never joined
+    assert batcher.admission_steps.admissions == len(reqs) - 1
+    assert not lane.flights and lane.free_staging_row() == 0
+    kept = [r for i, r in enumerate(reqs) if i != 3]
+    assert [a for i, a in enumerate(answers) if i != 3] == [batcher.decoder.generate(ids, DecodeConfig(
+        max_new_tokens=n, stop_on_eos=False)).token_ids for ids, n in kept]
+
+
 def test_the_side_streams_priority_comes_from_the_environment_and_a_wrong_one_is_refused(monkeypatch):
     assert BatcherConfig().prefill_priority == "normal"
     monkeypatch.setenv("PPD_PREFILL_PRIORITY", "high")

@@ -526,6 +526,7 @@ class _Lane:
                     pending.stream._push([], 0, "cancelled", counts_as_step=False)
                     continue
                 self.flights.append(self._launch(pending, slot))
+            self._drop_cancelled_flights()
             if not self.flights or len(self.rows) == self.batcher.config.max_batch:  # (prefilled ahead: no row yet)
                 return
             backlog = len(self.joining) + len(self.flights)  # the requests in flight and those after them
@@ -533,6 +534,14 @@ class _Lane:
             if not waited and not self.flights[0].report.ready():
                 return
             self._join(self.flights.popleft())
+
+    def _drop_cancelled_flights(self) -> None:
+        """End the requests cancelled while their prefill was under way, once it has run, and free their staging
+        rows: such a request never joins (with ``prefill_ahead`` it might otherwise hold its staging row until a row
+        of the batch frees). The next prefill in that staging row is queued after this one on the same stream."""
+        for flight in [f for f in self.flights if f.pending.stream.cancelled and f.report.ready()]:
+            self.flights.remove(flight)
+            flight.pending.stream._push([], 0, "cancelled", counts_as_step=False)
 
     def free_staging_row(self) -> int | None:
         """The first staging row no prefill under way holds, or None."""
