@@ -9,7 +9,8 @@
 #     four rows beside the steps once in two runs, v34 once in one; the fixed code passed 2 of 2). Everything after
 #     needs all three to pass;
 # (2) four staging rows against one, and four with prefill_ahead (requests prefilled while every row runs, so each
-#     joins as a row frees), timed with the fix: batch 32 (the policy and the 17-row chained tree) and 16 in one
+#     joins as a row frees; ahead4b: and admitted before the step is queued, so it takes part in that step),
+#     timed with the fix: batch 32 (the policy and the 17-row chained tree) and 16 in one
 #     process; the compiled artifacts are then packed (pack_kept: `cat compiled.tgz.* >
 #     .gpu_keep/compiled_v36_h100.tgz` afterwards); then the server at 16 clients, 160 requests: one row, four
 #     ahead, four, four ahead again (v34, old code: four rows 1.47x with p99 0.95x, one 1.24x with p99 1.57x);
@@ -31,7 +32,7 @@ tests() {
   done
   if [ $failed -eq 0 ]; then exact=yes; else exact=no; fi
 }
-B="--batchers default staging4=staging_rows:4 ahead4=staging_rows:4,prefill_ahead:true"
+B="--batchers default staging4=staging_rows:4 ahead4=staging_rows:4,prefill_ahead:true ahead4b=staging_rows:4,prefill_ahead:true,admissions:before_step"
 staging() {
   [ "$exact" = yes ] || { echo "skipped: the GPU tests did not pass"; return; }
   timeout 900 $C --batch_sizes 32 16 --prompts 160 --rounds 2 $B --trees results/lookup/trees/tree_8_lookup8.json \
