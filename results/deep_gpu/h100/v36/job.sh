@@ -4,7 +4,7 @@
 # and `bash results/deep_gpu/lease/stage.sh` (two calls); then one more call with carry=[".gpu_keep"] that launches
 # this from the call's own root, and poll back to back (an idle machine goes back after 30 s: v35 lost a part so).
 # .gpu_keep (git-ignored) holds v35's compiled artifacts (compiled_v35_h100.tgz, unpacked by unpack_kept).
-# Outputs in /root/res/v36. Parts are functions run in the order $JOB_ORDER names; by default:
+# Outputs in /root/res/v36. Parts are functions (serving_job.sh's) run in the order $JOB_ORDER names; by default:
 # (1) exactness first: the batcher's GPU tests three times more (v35: a833cf3's code failed the staging test with
 #     four rows beside the steps once in two runs, v34 once in one; the fixed code passed 2 of 2). Everything after
 #     needs all three to pass;
@@ -23,46 +23,9 @@
 # only if (1) passes and (2) holds.
 set -u
 source /root/tree/results/deep_gpu/lease/serving_job.sh "${JOB_VERSION:-v36}"
-exact=unknown
-tests() {
-  local failed=0
-  for i in 1 2 3; do
-    timeout 300 python -m pytest -q -p no:cacheprovider tests/test_batcher.py -k gpu >> $R/logs/tests.log 2>&1
-    rc=$?; echo "rc $rc (run $i)"; tail -n 1 $R/logs/tests.log; [ $rc -eq 0 ] || failed=1
-  done
-  if [ $failed -eq 0 ]; then exact=yes; else exact=no; fi
-}
-B="--batchers default staging4=staging_rows:4 ahead4=staging_rows:4,prefill_ahead:true ahead4b=staging_rows:4,prefill_ahead:true,admissions:before_step"
-staging() {
-  [ "$exact" = yes ] || { echo "skipped: the GPU tests did not pass"; return; }
-  timeout 900 $C --batch_sizes 32 16 --prompts 160 --rounds 2 $B --trees results/lookup/trees/tree_8_lookup8.json \
-    --output $R/staging.json > $R/logs/staging.log 2>&1
-  rows $? $R/logs/staging.log 6; grep -E "^batch" $R/logs/staging.log | cut -c1-250
-}
-load16() {  # $1 names the output; the staging rows come from the environment
-  timeout 400 $L --methods baseline ppd --clients 16 --requests 160 "$S" --output $R/load16_$1.json \
-    > $R/logs/load16_$1.log 2>&1; rows $? $R/logs/load16_$1.log 5
-}
-load16_pairs() {
-  [ "$exact" = yes ] || { echo "skipped: the GPU tests did not pass"; return; }
-  load16 default; PPD_STAGING_ROWS=4 PPD_PREFILL_AHEAD=1 load16 ahead4_1; PPD_STAGING_ROWS=4 load16 staging4
-  PPD_STAGING_ROWS=4 PPD_PREFILL_AHEAD=1 load16 ahead4_2
-}
-profile_8k() {  # issue 18: where a batch-16 tree step's time goes at 8K of context (h200/v28b: 0.91x there)
-  timeout 480 python -m eval.step_profile $E --context 8000 --batch_size 16 --steps 16 --max_seq_len 8448 \
-    --trees results/lookup/trees/tree_16_lookup8.json results/lookup/trees/tree_8_lookup8.json --top 40 --sequence \
-    --output $R/step_profile_8k_b16.json > $R/logs/profile_8k.log 2>&1; rows $? $R/logs/profile_8k.log 8
-}
-segv() {
-  timeout 400 python -X faulthandler -m pytest -q -p no:cacheprovider -p no:faulthandler tests/test_streams.py \
-    tests/test_engine.py -k gpu > $R/logs/segv.log 2>&1; echo "rc $?"; tail -n 30 $R/logs/segv.log | cut -c1-200
-}
-continuous() {
-  [ "$exact" = yes ] || { echo "skipped: the GPU tests did not pass"; return; }
-  PPD_STAGING_ROWS=4 timeout 900 $C --batch_sizes 32 16 8 4 2 1 --prompts 160 \
-    --trees results/lookup/trees/tree_8_lookup8.json --output $R/continuous_staging4.json \
-    --plot $R/continuous_staging4.png > $R/logs/continuous.log 2>&1; rows $? $R/logs/continuous.log 9
-}
+B="--batchers default staging4=staging_rows:4 ahead4=staging_rows:4,prefill_ahead:true"
+B+=" ahead4b=staging_rows:4,prefill_ahead:true,admissions:before_step"
+tests() { batcher_tests 3; }
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   unpack_kept
