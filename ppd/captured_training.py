@@ -31,6 +31,7 @@ import time
 import torch
 
 from .attention import packed_width
+from .decoding.streams import ordered_on
 from .prefill import PrefillPlan, plan_prefill
 from .training import HostCuts, PromptTokenModel
 
@@ -216,11 +217,9 @@ class CapturedTrainingStep:
         if self._side is None:
             self._side = torch.cuda.Stream(self.device)
         side = self._side
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
+        with ordered_on(side):
             for _ in range(LATER_WARMUP_RUNS if self.graphs else WARMUP_RUNS):
                 self.loss_and_grads(inputs)
-        torch.cuda.current_stream(self.device).wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()

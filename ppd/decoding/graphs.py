@@ -26,7 +26,7 @@ from .packed_linear import PackedLinear, ensure_packed
 from .prefill_graphs import PrefillGraphs
 from .state import DecodeState
 from .step import LanguageModel, StepKind, decode_step
-from .streams import own_stream
+from .streams import ordered_on, own_stream
 from .tables import TreeTables
 
 logger = logging.getLogger(__name__)
@@ -290,12 +290,10 @@ class StepRunner:
         if self._capture_stream is None:  # warm-ups and captures on a stream of the runner's own (``streams``)
             self._capture_stream = own_stream(self.device)
         side = self._capture_stream
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
+        with ordered_on(side):
             for _ in range(WARMUP_RUNS):  # compiles (if compiled) and initialises cuBLAS outside the capture
                 self._call(tables, prompt_embeds, state, kind, width)
                 state.restore(saved)
-        torch.cuda.current_stream(self.device).wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()

@@ -39,7 +39,7 @@ import torch
 from ..attention import plan_free_sdpa
 from ..prefill import PrefillPlan, plan_prefill, prefill_inputs
 from ..uploads import upload_into
-from .streams import own_stream
+from .streams import ordered_on, own_stream
 
 logger = logging.getLogger(__name__)
 
@@ -160,16 +160,14 @@ class PrefillGraphs:
         current = torch.cuda.current_stream(device)
         replayer = self.replayer(current)
         side = replayer.capture
-        side.wait_stream(current)
         before = torch.cuda.get_sync_debug_mode()
         try:
-            with torch.cuda.stream(side):  # cuBLAS and the attention kernels initialised outside the capture
+            with ordered_on(side):  # cuBLAS and the attention kernels initialised outside the capture
                 torch.cuda.set_sync_debug_mode("error")
                 try:
                     self._forward(decoder, found, state, n_prompt, num_ensemble, attention, prefill_logits)
                 finally:
                     torch.cuda.set_sync_debug_mode(before)
-            current.wait_stream(side)
             found.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(found.graph, pool=replayer.pool, stream=side):
                 found.output = self._forward(decoder, found, state, n_prompt, num_ensemble, attention,

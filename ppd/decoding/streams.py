@@ -13,6 +13,7 @@ default capture stream.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -39,4 +40,17 @@ def own_stream(device: torch.device | str | int, priority: int = 0) -> torch.cud
                        f"streams ({POOL} a priority): close batchers or decoders no longer used")
 
 
-__all__ = ["POOL", "own_stream"]
+@contextlib.contextmanager
+def ordered_on(stream: torch.cuda.Stream):
+    """Run the block on ``stream`` after everything queued so far on the current stream, and queue the current
+    stream's later work after the block's (whether or not it raises)."""
+    current = torch.cuda.current_stream(stream.device)
+    stream.wait_stream(current)
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:
+        current.wait_stream(stream)
+
+
+__all__ = ["POOL", "ordered_on", "own_stream"]

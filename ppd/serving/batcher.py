@@ -44,7 +44,7 @@ from ..decoding.loop import batch_bucket, prefill, queue_step, reset_rows, runs_
 from ..decoding.prefill_graphs import warm_prompt_lengths
 from ..decoding.state import REASONS, REPORT_HEAD, RUNNING, DecodeState
 from ..decoding.step import StepKind
-from ..decoding.streams import own_stream
+from ..decoding.streams import ordered_on, own_stream
 from ..downloads import Download
 from .heap import CollectionWatch, freeze_heap, thaw_heap
 from .stream import EngineClosedError, QueueFullError, Stream
@@ -307,7 +307,7 @@ class ContinuousBatcher:
         kept: collections.deque[_Pending] = collections.deque()
         for pending in self._waiting:
             if pending.stream.cancelled:
-                pending.stream._push([], 0, "cancelled", counts_as_step=False)
+                pending.stream._end_cancelled()
                 continue
             lane = self._lane(pending.config.method)
             if len(joining.get(lane.method, [])) < lane.holds - lane.occupied:
@@ -463,23 +463,10 @@ class _Lane:
         with torch.no_grad():
             for staging in self.staging:  # the whole cache, here: allocated on this stream, which copies from it
                 staging.kv.reserve(staging.kv.capacity)
-            with self._on_side():
+            with ordered_on(self.side) if self.side is not None else contextlib.nullcontext():
                 for staging in self.staging:
                     for length in warm_prompt_lengths(rows, 1, staging.capacity, decoder.capacity):
                         self.prefill_alone(staging, [0] * length, DecodeConfig(max_new_tokens=1, stop_on_eos=False))
-
-    @contextlib.contextmanager
-    def _on_side(self):
-        """Run the block on the side stream, after everything queued so far, and queue later work after it (where
-        prefills run beside the steps; else on the current stream)."""
-        if self.side is None:
-            yield
-            return
-        current = torch.cuda.current_stream(self.side.device)
-        self.side.wait_stream(current)
-        with torch.cuda.stream(self.side):
-            yield
-        current.wait_stream(self.side)
 
     def admit(self, joining: list[_Pending]) -> None:
         """Take the joining requests into the rows after the running ones. Without staging rows they are
@@ -523,7 +510,7 @@ class _Lane:
             while self.joining and (slot := self.free_staging_row()) is not None:
                 pending = self.joining.popleft()
                 if pending.stream.cancelled:
-                    pending.stream._push([], 0, "cancelled", counts_as_step=False)
+                    pending.stream._end_cancelled()
                     continue
                 self.flights.append(self._launch(pending, slot))
             self._drop_cancelled_flights()
@@ -541,7 +528,7 @@ class _Lane:
         of the batch frees). The next prefill in that staging row is queued after this one on the same stream."""
         for flight in [f for f in self.flights if f.pending.stream.cancelled and f.report.ready()]:
             self.flights.remove(flight)
-            flight.pending.stream._push([], 0, "cancelled", counts_as_step=False)
+            flight.pending.stream._end_cancelled()
 
     def free_staging_row(self) -> int | None:
         """The first staging row no prefill under way holds, or None."""
@@ -631,7 +618,7 @@ class _Lane:
         for row in self.rows:
             if row.stream.cancelled and not row.done:
                 row.done = True
-                row.stream._push([], 0, "cancelled", counts_as_step=False)
+                row.stream._end_cancelled()
         self._remove_finished()
 
     def _deliver(self, row: _Row, line: list[int], counts_as_step: bool) -> None:

@@ -161,6 +161,10 @@ class Stream:
         if finish_reason is not None:
             self._finish(finish_reason, now)
 
+    def _end_cancelled(self) -> None:
+        """End a request its reader cancelled: a last chunk, with no tokens, that says so."""
+        self._push([], 0, "cancelled", counts_as_step=False)
+
     def _finish(self, reason: str, now: float | None = None, error: BaseException | None = None) -> None:
         if self._done.is_set():
             return
